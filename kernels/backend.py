@@ -1,0 +1,79 @@
+"""Kernel dispatch: Triton on CUDA tensors, the torch reference elsewhere.
+
+``BATON_KERNEL_BACKEND=torch|triton`` forces one side (``triton`` on CPU needs
+``TRITON_INTERPRET=1`` set before import). The engine calls only the functions here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels import reference
+
+_OPS = (
+    "write_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "gather_kv_blocks",
+    "scatter_kv_blocks",
+    "copy_blocks",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
+
+
+def _forced() -> str | None:
+    value = os.environ.get("BATON_KERNEL_BACKEND", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("torch", "triton"):
+        raise ValueError(f"BATON_KERNEL_BACKEND must be 'torch', 'triton' or 'auto', got {value!r}")
+    return value
+
+
+def _triton_ops() -> Any | None:
+    try:
+        from kernels import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def select(op: str, device: torch.device) -> Callable[..., Any]:
+    """The implementation of ``op`` to use for tensors on ``device``."""
+    forced = _forced()
+    use_triton = forced == "triton" or (forced is None and device.type == "cuda")
+    if use_triton:
+        ops = _triton_ops()
+        if ops is not None and hasattr(ops, op):
+            return getattr(ops, op)
+        if forced == "triton":
+            raise RuntimeError(f"BATON_KERNEL_BACKEND=triton but no Triton kernel for {op!r} is available")
+    return getattr(reference, op)
+
+
+def _dispatcher(op: str) -> Callable[..., Any]:
+    def call(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return select(op, first.device)(first, *args, **kwargs)
+
+    call.__name__ = op
+    call.__doc__ = getattr(reference, op).__doc__
+    return call
+
+
+write_kv_cache = _dispatcher("write_kv_cache")
+paged_decode_attention = _dispatcher("paged_decode_attention")
+paged_prefill_attention = _dispatcher("paged_prefill_attention")
+gather_kv_blocks = _dispatcher("gather_kv_blocks")
+scatter_kv_blocks = _dispatcher("scatter_kv_blocks")
+copy_blocks = _dispatcher("copy_blocks")
+rms_norm = _dispatcher("rms_norm")
+fused_add_rms_norm = _dispatcher("fused_add_rms_norm")
+rotary_embedding = _dispatcher("rotary_embedding")
+silu_and_mul = _dispatcher("silu_and_mul")

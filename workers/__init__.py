@@ -1,0 +1,18 @@
+"""Baton's engine: model, paged KV cache, scheduler, sampler, and the offline API."""
+
+from typing import Any
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that light imports (errors, sampling params) don't pull in the model stack.
+    if name == "LLM":
+        from workers.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from workers.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

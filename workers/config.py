@@ -1,0 +1,61 @@
+"""Engine configuration, validated at construction with errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _require(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-tick limits and the admission policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_prefill_chunk: int = 1 << 30  # per-request cap within one tick (long_prefill_token_threshold)
+    policy: str = "fcfs"
+    aging_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+                 self.max_num_batched_tokens)
+        _require(self.max_prefill_chunk >= 1, "max_prefill_chunk", ">= 1", self.max_prefill_chunk)
+        _require(self.policy in ("fcfs", "priority"), "policy", "'fcfs' or 'priority'", self.policy)
+        _require(self.aging_seconds > 0, "aging_seconds", "> 0", self.aging_seconds)
+
+
+@dataclass
+class EngineConfig:
+    """What to load and how much KV cache to hold.
+
+    ``num_kv_blocks`` wins over ``kv_cache_memory_gib`` when both are set.
+    """
+
+    model: str | None = None  # folder, .gguf file, or None for the embedded default
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 2.0
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128",
+                 self.block_size)
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1",
+                 self.num_kv_blocks)
+        _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0", self.kv_cache_memory_gib)
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2",
+                 self.max_model_len)
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+                 "'float32', 'bfloat16' or 'float16'", self.dtype)
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)

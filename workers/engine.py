@@ -1,0 +1,242 @@
+"""The engine core: ``schedule -> run -> postprocess``, one forward per ``step``.
+
+It speaks token ids only. ``add_request`` validates and raises a typed error before anything
+is allocated; ``abort_request`` and every other terminal path go through
+``Scheduler.finish``, which frees KV exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.block_manager import BlockManager
+from workers.config import EngineConfig
+from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
+from workers.model.llama import LlamaForCausalLM
+from workers.model_runner import ModelRunner, sampling_requests
+from workers.outputs import TokenDelta
+from workers.prefix_hash import CacheNamespace
+from workers.request import Request, RequestStatus
+from workers.sampler import Sampler, SamplingRow
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler
+
+
+@dataclass
+class _Group:
+    """A client request and its ``n`` samples (engine-internal ids)."""
+
+    request_id: str
+    member_ids: list[str]
+    num_prompt_tokens: int
+
+
+class EngineCore:
+    """Continuous-batching engine over one model and one paged KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
+                 eos_token_ids: Sequence[int], namespace: CacheNamespace | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          namespace=namespace)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device)
+        self.sampler = Sampler()
+        self.groups: dict[str, _Group] = {}
+        self._members: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (nothing allocated) when it cannot run."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.validate(prompt_token_ids, params)
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
+        member_id = request_id if params.n == 1 else f"{request_id}#0"
+        req = Request(member_id, list(prompt_token_ids), params, max_total,
+                      arrival_time=arrival_time or time.monotonic(), priority=priority,
+                      cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1)
+        self.groups[request_id] = _Group(request_id, [member_id], len(prompt_token_ids))
+        self._members[member_id] = req
+        self.scheduler.add_request(req)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Every check that needs the model; raises InvalidRequestError with the OpenAI param name."""
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", param="prompt")
+        params.validate_vocab(self.vocab_size)
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {n_prompt} tokens; this model's context length is {self.max_model_len}, "
+                "which must also leave room for at least one output token", param="prompt")
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({n_prompt} tokens) exceeds the "
+                f"context length {self.max_model_len}", param="max_tokens")
+        bs = self.config.block_size
+        needed = (n_prompt + 1 + bs - 1) // bs
+        if needed > self.block_manager.num_blocks:
+            raise OutOfBlocksError(f"the prompt needs {needed} KV blocks; the cache holds "
+                                   f"{self.block_manager.num_blocks}")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[TokenDelta]:
+        """Finish the given client requests as aborted; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        deltas = []
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            for mid in list(group.member_ids):
+                req = self._members.get(mid)
+                if req is not None:
+                    req.fork_pending = 0
+                    deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED, []))
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[TokenDelta]:
+        """Schedule, run one forward, sample, apply stop conditions. Returns this step's deltas."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampling = [s.request for s in sampling_requests(out)]
+        logits = self.runner.execute(out, self.block_manager.block_table)
+        self.scheduler.update_after_forward(out)
+        if not sampling:
+            return []
+        now = time.monotonic()
+        rows, row_reqs, logits = self._expand_forks(sampling, logits)
+        result = self.sampler(logits, rows)
+        token_ids = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist()
+        top_ids = top_vals = None
+        if result.top_logprob_ids is not None:
+            top_ids = result.top_logprob_ids.tolist()
+            top_vals = result.top_logprobs.tolist()
+        deltas = []
+        for i, req in enumerate(row_reqs):
+            tok = token_ids[i]
+            req.append_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            delta = TokenDelta(req.parent_id or req.request_id, req.index, [tok],
+                               num_prompt_tokens=req.num_prompt_tokens,
+                               num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.params.logprobs is not None:
+                delta.logprobs = [logprobs[i]]
+                if top_ids is not None and req.params.logprobs:
+                    k = req.params.logprobs
+                    delta.top_logprobs = [list(zip(top_ids[i][:k], top_vals[i][:k]))]
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self._finish(req, status, None)
+                delta.finish_reason = req.status.finish_reason
+                delta.stop_reason = req.stop_reason
+            deltas.append(delta)
+        return deltas
+
+    def _expand_forks(self, sampling: list[Request], logits: torch.Tensor
+                      ) -> tuple[list[SamplingRow], list[Request], torch.Tensor]:
+        """Rows for the sampler; a request finishing its prompt with ``n > 1`` forks its siblings here,
+        so all samples share the prompt's KV blocks and its last logits row."""
+        row_reqs: list[Request] = []
+        repeat: list[int] = []
+        for req in sampling:
+            row_reqs.append(req)
+            copies = 1 + req.fork_pending
+            if req.fork_pending:
+                group = self.groups[req.parent_id or req.request_id]
+                for idx in range(1, copies):
+                    child = Request(f"{group.request_id}#{idx}", req.prompt_token_ids, req.params,
+                                    req.max_total_tokens, arrival_time=req.arrival_time,
+                                    priority=req.priority, cache_salt=req.cache_salt,
+                                    parent_id=group.request_id, index=idx)
+                    self.scheduler.fork(req, child)
+                    group.member_ids.append(child.request_id)
+                    self._members[child.request_id] = child
+                    row_reqs.append(child)
+                req.fork_pending = 0
+            repeat.append(copies)
+        if len(row_reqs) != len(sampling):
+            logits = logits.repeat_interleave(torch.tensor(repeat, device=logits.device), dim=0)
+        return [self._row(r) for r in row_reqs], row_reqs, logits
+
+    def _row(self, req: Request) -> SamplingRow:
+        p = req.params
+        needs_history = (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                         or p.presence_penalty != 0.0)
+        suppress: list[int] = []
+        if req.num_output_tokens < p.min_tokens:
+            suppress = [*self.eos_token_ids, *p.stop_token_ids]
+        return SamplingRow(p, req.prompt_token_ids if needs_history else (),
+                           req.output_token_ids if needs_history else (), req.generator, suppress)
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, index: int, reason: str, stop_reason: int | str | None
+                       ) -> None:
+        """Finish one sample from outside (a stop string matched in the output processor)."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        req = self._members.get(request_id) or self._members.get(f"{request_id}#{index}")
+        if req is None:
+            return
+        req.stop_reason = stop_reason
+        status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_ABORTED
+        self._finish(req, status, None)
+
+    def _finish(self, req: Request, status: RequestStatus, token_ids: list[int] | None) -> TokenDelta:
+        """The one reclaim path: frees KV (idempotently) and forgets the request once all samples end."""
+        self.scheduler.finish(req, status)
+        self._members.pop(req.request_id, None)
+        gid = req.parent_id or req.request_id
+        group = self.groups.get(gid)
+        if group is not None and req.fork_pending == 0 and all(
+                m not in self._members for m in group.member_ids):
+            del self.groups[gid]
+        return TokenDelta(gid, req.index, token_ids or [], finish_reason=status.finish_reason,
+                          stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                          num_cached_tokens=max(req.num_cached_tokens, 0))

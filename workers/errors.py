@@ -1,0 +1,37 @@
+"""Typed exceptions the engine raises; the HTTP front maps them to OpenAI error JSON."""
+
+from __future__ import annotations
+
+
+class BatonError(Exception):
+    """Base class for every error Baton raises on purpose."""
+
+
+class InvalidRequestError(BatonError, ValueError):
+    """A request or parameter is invalid; nothing was allocated for it.
+
+    ``param`` names the offending field the way the OpenAI API spells it, so the
+    HTTP front can answer 400 with ``{"error": {"param": ...}}``.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt (plus requested output) does not fit the model's context window."""
+
+
+class OutOfBlocksError(BatonError, RuntimeError):
+    """The KV cache cannot hold a request even when it runs alone."""
+
+
+class ModelLoadError(BatonError, RuntimeError):
+    """A model folder is missing files or has an unsupported configuration."""
+
+
+class KVCacheError(BatonError, RuntimeError):
+    """The KV block manager was called inconsistently (unknown sequence, stale
+    prefix hit, counts going backwards); the call changed nothing."""

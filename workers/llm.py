@@ -1,0 +1,131 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.config import EngineConfig, SchedulerConfig
+from workers.default_model import resolve_model
+from workers.engine import EngineCore
+from workers.errors import InvalidRequestError
+from workers.model.loader import load_model, parse_dtype, safetensors_files
+from workers.model_runner import kv_cache_block_bytes
+from workers.output_processor import OutputProcessor
+from workers.outputs import RequestOutput
+from workers.prefix_hash import CacheNamespace
+from workers.sampling_params import SamplingParams
+from workers.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """Cheap identity of a model's weights: config, file names, sizes and safetensors headers."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in safetensors_files(folder):
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(file.name.encode())
+            h.update(str(file.stat().st_size).encode())
+            h.update(f.read(min(header_len, 1 << 24)))
+    return h.hexdigest()[:32]
+
+
+def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
+    """Load model and tokenizer, size the KV cache, and return a ready engine."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    folder = resolve_model(config.model)
+    tokenizer = Tokenizer.from_folder(folder)
+    dtype = parse_dtype(config.dtype)
+    model = load_model(folder, dtype=dtype, max_positions=config.max_model_len)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        num_blocks = int(config.kv_cache_memory_gib * (1 << 30)) // kv_cache_block_bytes(
+            model, config.block_size, dtype)
+    namespace = CacheNamespace(
+        model=folder.name, weights_hash=weights_fingerprint(folder),
+        tokenizer_hash=tokenizer.fingerprint(), chat_template_hash=tokenizer.chat_template_fingerprint(),
+        kv_dtype=config.dtype, block_size=config.block_size)
+    eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
+    engine = EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace)
+    return engine, tokenizer, folder
+
+
+class LLM:
+    """Offline batch generation on one engine, in the style of ``vllm.LLM``."""
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
+        sched_keys = {f for f in SchedulerConfig.__dataclass_fields__}
+        sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
+        if "num_threads" not in kwargs and "BATON_NUM_THREADS" in os.environ:
+            kwargs["num_threads"] = int(os.environ["BATON_NUM_THREADS"])
+        self.config = EngineConfig(model=model, dtype=dtype, scheduler=sched, **kwargs)
+        self.engine, self.tokenizer, self.model_path = build_engine(self.config)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("a prompt must be a string or a list of token ids", param="prompt")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None, cache_salt: str | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run all prompts to completion; results in input order. Invalid input raises before any work."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params or SamplingParams()
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
+        encoded = [self._encode(p) for p in prompts]
+        for (_, ids), p in zip(encoded, param_list):
+            self.engine.validate(ids, p)
+        ids_in_order = []
+        for i, ((text, ids), p) in enumerate(zip(encoded, param_list)):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, p, priority=priority[i] if priority else 0,
+                                    cache_salt=cache_salt)
+            self.processor.add_request(rid, text, ids, p)
+            ids_in_order.append(rid)
+        return self._run(ids_in_order, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template, then ``generate``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)  # type: ignore[arg-type]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(request_ids), desc="requests")
+        while self.engine.has_unfinished_requests():
+            outputs, matches = self.processor.process(self.engine.step())
+            for m in matches:
+                self.engine.finish_request(m.request_id, m.index, "stop", m.stop)
+            for o in outputs:
+                if o.finished:
+                    results[o.request_id] = o
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in request_ids]

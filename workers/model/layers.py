@@ -1,0 +1,156 @@
+"""Layer types of a Llama-family decoder; tensor parallelism lives here, not in the model.
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id)`` that copies its slice of a
+checkpoint tensor, so a model with ``tp_size > 1`` loads unchanged checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels import backend
+from kernels.reference import build_cos_sin_cache
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in its tensor-parallel group (size 1 means no parallelism)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+def _set_loader(param: nn.Parameter, loader: Any) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W split by output rows across ranks.
+
+    ``output_sizes`` lists merged sub-matrices (e.g. q, k, v) so one matmul serves them all;
+    ``shard_id`` in the loader is the index of the sub-matrix.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        for size in output_sizes:
+            if size % ctx.tp_size:
+                raise ValueError(f"output size {size} is not divisible by tp_size {ctx.tp_size}")
+        self.ctx = ctx
+        self.local_sizes = [s // ctx.tp_size for s in output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
+        _set_loader(self.weight, self._load)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
+            _set_loader(self.bias, self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        idx = 0 if shard_id is None else shard_id
+        local = self.local_sizes[idx]
+        offset = sum(self.local_sizes[:idx])
+        piece = loaded.narrow(0, self.ctx.tp_rank * local, local)
+        param.data.narrow(0, offset, local).copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        if input_size % ctx.tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tp_size {ctx.tp_size}")
+        self.ctx = ctx
+        self.local_in = input_size // ctx.tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, self.local_in, dtype=dtype), requires_grad=False)
+        _set_loader(self.weight, self._load)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            _set_loader(self.bias, default_weight_loader)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        param.data.copy_(loaded.narrow(1, self.ctx.tp_rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; with ``residual`` it fuses the residual add and returns both outputs."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        _set_loader(self.weight, default_weight_loader)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return backend.rms_norm(x, self.weight, self.eps)
+        return backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama-3 style ``rope_scaling`` when configured."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        orig = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = orig / low, orig / high
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (orig / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(mid, blended, scaled).float()
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if kind in (None, "default"):
+        return inv_freq.float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, default)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE from a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_positions, inv_freq),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return backend.rotary_embedding(positions, q, k, self.cos_sin_cache, True)

@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+The forward takes flattened tokens of many sequences at once; attention metadata says which
+K/V slots each token writes and what it attends to.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import backend
+from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.config import ModelConfig
+from workers.model.layers import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    default_weight_loader,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        if cfg.num_key_value_heads % ctx.tp_size:
+            raise ValueError(f"num_key_value_heads {cfg.num_key_value_heads} not divisible by tp {ctx.tp_size}")
+        self.num_heads = cfg.num_attention_heads // ctx.tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // ctx.tp_size
+        self.head_dim = cfg.head_dim
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
+                                             cfg.attention_bias, ctx, dtype)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, False, ctx, dtype)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
+        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        return self.o_proj(out.view(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, ctx, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, ctx, rotary, dtype)
+        self.mlp = LlamaMLP(cfg, ctx, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the fp32 logits."""
+
+    # checkpoint name fragment -> (our parameter name fragment, shard id)
+    stacked_params = (
+        (".q_proj.", ".qkv_proj.", 0),
+        (".k_proj.", ".qkv_proj.", 1),
+        (".v_proj.", ".qkv_proj.", 2),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 ctx: ParallelContext | None = None, max_positions: int | None = None) -> None:
+        super().__init__()
+        ctx = ctx or ParallelContext()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                 cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, rotary, dtype)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+            self.lm_head.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard id), or None to skip it."""
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return None
+        for ckpt, ours, shard in self.stacked_params:
+            if ckpt in name:
+                return name.replace(ckpt, ours), shard
+        return name, None

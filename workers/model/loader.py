@@ -1,0 +1,65 @@
+"""Load a Hugging Face model folder (sharded safetensors) into a Baton model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.errors import ModelLoadError
+from workers.model.config import ModelConfig
+from workers.model.layers import ParallelContext, default_weight_loader
+from workers.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; raises ValueError naming the allowed values."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+               ctx: ParallelContext | None = None, max_positions: int | None = None) -> LlamaForCausalLM:
+    """Build the model from ``config.json`` and copy every weight in; all parameters must be filled."""
+    folder = Path(folder)
+    cfg = ModelConfig.from_folder(folder)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg, dtype=dtype, ctx=ctx, max_positions=max_positions)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target = model.checkpoint_target(name)
+                if target is None:
+                    continue
+                pname, shard = target
+                param = params.get(pname)
+                if param is None:
+                    raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} (no parameter {pname!r})")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, f.get_tensor(name).to(dtype), shard)
+                loaded.add(pname if shard is None else f"{pname}#{shard}")
+    missing = [n for n in params if not _is_loaded(n, loaded)]
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks weights for {missing[:5]}")
+    return model.eval()
+
+
+def _is_loaded(pname: str, loaded: set[str]) -> bool:
+    return pname in loaded or any(key.startswith(pname + "#") for key in loaded)

@@ -1,0 +1,197 @@
+"""The scheduler tick: which requests run in the next forward and how many tokens each.
+
+One rule covers prefill, chunked prefill, prefix hits and resumption after preemption: a
+request computes ``num_tokens - num_computed_tokens`` positions, as many as the token budget
+allows this tick. Running requests are served first; waiting ones are admitted while the
+budget, ``max_num_seqs`` and the KV cache allow. When blocks run out, the lowest-priority
+running request is preempted by recompute (its blocks freed, its counters reset).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from workers.block_manager import BlockManager
+from workers.config import SchedulerConfig
+from workers.request import Request, RequestStatus
+from workers.waiting_queue import WaitingQueue, make_waiting_queue
+
+
+@dataclass
+class ScheduledRequest:
+    """A request and the number of positions it computes this tick."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this tick reaches the end of the request's tokens, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one tick decided: decodes (one new token each) listed before prefill chunks."""
+
+    decodes: list[ScheduledRequest] = field(default_factory=list)
+    prefills: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill under a per-tick token budget.
+
+    Mechanism (blocks) lives in ``BlockManager``; the choice of whom to admit next and whom to
+    preempt is the waiting-queue policy and the running order (priority, then arrival).
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: WaitingQueue = make_waiting_queue(config.policy, config.aging_seconds)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # total since start, for metrics and tests
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> bool:
+        """Move a request to a terminal state and free what it holds. Idempotent: False if already done."""
+        if request.request_id not in self.requests:
+            return False
+        del self.requests[request.request_id]
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.block_manager.free(request.request_id)
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the tick
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next forward. Allocates KV blocks for what it schedules."""
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        now = time.monotonic()
+        bm = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, cfg.max_prefill_chunk)
+            while not bm.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new):
+                victim = self._pick_victim(index)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled = ScheduledRequest(req, num_new)
+                if num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
+                    out.decodes.append(scheduled)
+                else:
+                    out.prefills.append(scheduled)
+                budget -= num_new
+                index += 1
+                continue
+            break  # the current request preempted itself: nothing more fits
+
+        if not out.preempted:
+            self._admit_waiting(out, budget, now)
+        out.block_copies = bm.take_pending_copies()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        cfg = self.config
+        bm = self.block_manager
+        while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.waiting):
+            req = self.waiting.peek(now)
+            cached = bm.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
+            remaining = req.num_tokens - cached
+            if not cfg.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget, cfg.max_prefill_chunk)
+            if not bm.allocate(req.request_id, req.all_token_ids, cached, num_new,
+                               num_cached_tokens=cached, salt=req.cache_salt):
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.prefills.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """Lowest-priority request not yet scheduled this tick (the current one included)."""
+        candidates = self.running[first_unscheduled:]
+        if self.config.policy == "fcfs":
+            return candidates[-1]
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: free every block, reset the counter, requeue at the front."""
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.push_front(req)
+
+    # ------------------------------------------------------------------ after the forward
+    def update_after_forward(self, out: SchedulerOutput) -> None:
+        """Advance counters for what ran and publish newly full blocks to the prefix cache."""
+        bm = self.block_manager
+        for s in out.decodes:
+            s.request.num_computed_tokens += s.num_new_tokens
+            bm.commit_computed(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
+        for s in out.prefills:
+            s.request.num_computed_tokens += s.num_new_tokens
+            bm.commit_computed(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Add ``child`` as a running sibling sharing all of ``parent``'s KV blocks (n > 1)."""
+        self.block_manager.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
