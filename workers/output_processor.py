@@ -89,16 +89,18 @@ class OutputProcessor:
             if finished:
                 text += sample.detok.flush()
             if sample.stops is not None:
-                emit, matched = sample.stops.feed(text)
+                text, matched = sample.stops.feed(text)
+                if matched is None and finished:
+                    text += sample.stops.flush()  # may settle a deferred match
+                    matched = sample.stops.matched
                 if matched is not None:
-                    out.text += emit
+                    out.text += text
                     out.finish_reason, out.stop_reason = "stop", matched
                     sample.done = True
                     if not finished:
                         matches.append(StopMatch(d.request_id, d.index, matched))
                     touched[d.request_id] = self._snapshot(d.request_id, state)
                     continue
-                text = emit + (sample.stops.flush() if finished else "")
             out.text += text
             if finished:
                 out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason

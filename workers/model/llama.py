@@ -134,7 +134,24 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.lm_head_weight).float()
+        """fp32 logits ``[N, vocab]``.
+
+        In bf16/fp16 the matmul's output is rounded to 8 (or 11) mantissa bits: logits near 25
+        land on a 0.125 grid and near-ties flip greedy choices. The tokens within two output
+        ulps of each row's max are recomputed in fp32, so the argmax (and the head of the
+        distribution that sampling draws from) is exact for the given hidden state.
+        """
+        weight = self.lm_head_weight
+        logits = nn.functional.linear(hidden, weight).float()
+        if hidden.dtype == torch.float32:
+            return logits
+        row_max = logits.max(dim=-1, keepdim=True).values
+        mantissa_bits = 8 if hidden.dtype == torch.bfloat16 else 11
+        ulp = torch.exp2(torch.floor(torch.log2(row_max.abs().clamp_min(1e-3))) - (mantissa_bits - 1))
+        rows, cols = torch.nonzero(logits >= row_max - 2 * ulp, as_tuple=True)
+        exact = (hidden[rows].float() * weight[cols].float()).sum(-1)
+        logits[rows, cols] = exact
+        return logits
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """Map a checkpoint tensor name to (our parameter name, shard id), or None to skip it."""
