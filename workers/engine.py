@@ -17,6 +17,7 @@ from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
 from workers.model.llama import LlamaForCausalLM
+from workers.migration import KVMigrationMixin
 from workers.model_runner import ModelRunner, sampling_requests
 from workers.outputs import TokenDelta
 from workers.prefix_hash import CacheNamespace
@@ -35,7 +36,7 @@ class _Group:
     num_prompt_tokens: int
 
 
-class EngineCore:
+class EngineCore(KVMigrationMixin):
     """Continuous-batching engine over one model and one paged KV cache."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
@@ -54,12 +55,17 @@ class EngineCore:
         self.sampler = Sampler()
         self.groups: dict[str, _Group] = {}
         self._members: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # prefill done, KV held until shipped
+        self.incoming: dict[str, Request] = {}  # blocks reserved, KV being received
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises InvalidRequestError (nothing allocated) when it cannot run."""
+                    arrival_time: float | None = None, prefill_only: bool = False) -> None:
+        """Queue a request. Raises InvalidRequestError (nothing allocated) when it cannot run.
+
+        ``prefill_only`` parks the request with its KV after the first token (disaggregated prefill).
+        """
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self.validate(prompt_token_ids, params)
@@ -69,7 +75,8 @@ class EngineCore:
         member_id = request_id if params.n == 1 else f"{request_id}#0"
         req = Request(member_id, list(prompt_token_ids), params, max_total,
                       arrival_time=arrival_time or time.monotonic(), priority=priority,
-                      cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1)
+                      cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1,
+                      prefill_only=prefill_only)
         self.groups[request_id] = _Group(request_id, [member_id], len(prompt_token_ids))
         self._members[member_id] = req
         self.scheduler.add_request(req)
@@ -115,7 +122,8 @@ class EngineCore:
         return deltas
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        """True while some request is waiting or running (parked KV does not count)."""
+        return self.scheduler.has_unfinished()
 
     @property
     def num_running(self) -> int:
@@ -164,6 +172,9 @@ class EngineCore:
                 self._finish(req, status, None)
                 delta.finish_reason = req.status.finish_reason
                 delta.stop_reason = req.stop_reason
+            elif req.prefill_only:
+                self._park(req)
+                delta.kv_ready = True
             deltas.append(delta)
         return deltas
 
@@ -182,7 +193,8 @@ class EngineCore:
                     child = Request(f"{group.request_id}#{idx}", req.prompt_token_ids, req.params,
                                     req.max_total_tokens, arrival_time=req.arrival_time,
                                     priority=req.priority, cache_salt=req.cache_salt,
-                                    parent_id=group.request_id, index=idx)
+                                    parent_id=group.request_id, index=idx,
+                                    prefill_only=req.prefill_only)
                     self.scheduler.fork(req, child)
                     group.member_ids.append(child.request_id)
                     self._members[child.request_id] = child
@@ -230,13 +242,22 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus, token_ids: list[int] | None) -> TokenDelta:
         """The one reclaim path: frees KV (idempotently) and forgets the request once all samples end."""
-        self.scheduler.finish(req, status)
+        if self.parked.pop(req.request_id, None) or self.incoming.pop(req.request_id, None):
+            self.block_manager.free(req.request_id)  # KV held outside the scheduler
+            req.status = status
+        else:
+            self.scheduler.finish(req, status)
+        gid = self._forget(req)
+        return TokenDelta(gid, req.index, token_ids or [], finish_reason=status.finish_reason,
+                          stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                          num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _forget(self, req: Request) -> str:
+        """Drop a terminal sample from the bookkeeping; the group goes once all its samples have."""
         self._members.pop(req.request_id, None)
         gid = req.parent_id or req.request_id
         group = self.groups.get(gid)
         if group is not None and req.fork_pending == 0 and all(
                 m not in self._members for m in group.member_ids):
             del self.groups[gid]
-        return TokenDelta(gid, req.index, token_ids or [], finish_reason=status.finish_reason,
-                          stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-                          num_cached_tokens=max(req.num_cached_tokens, 0))
+        return gid

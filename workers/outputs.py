@@ -22,6 +22,7 @@ class TokenDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_ready: bool = False  # prefill-only request parked with its KV, ready to ship
 
 
 @dataclass

@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    MIGRATED = "migrated"  # prefill done here, KV shipped to a decode worker: terminal on this worker
 
     @property
     def finished(self) -> bool:
@@ -27,11 +28,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI ``finish_reason`` for a terminal state, else None."""
-        return self.value if self.finished else None
+        """OpenAI ``finish_reason`` for a terminal state, else None (also None for MIGRATED)."""
+        return self.value if self in _CLIENT_FINISHED else None
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_CLIENT_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                    RequestStatus.FINISHED_ABORTED}
+_FINISHED = _CLIENT_FINISHED | {RequestStatus.MIGRATED}
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     fork_pending: int = 0  # siblings still to fork off this request when its prompt is done
+    prefill_only: bool = False  # disaggregated prefill: park after the first token for KV shipping
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -88,6 +88,17 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         return True
 
+    def detach(self, request: Request) -> None:
+        """Remove a running request from scheduling but keep its KV blocks (KV about to be shipped)."""
+        del self.requests[request.request_id]
+        self.running.remove(request)
+
+    def admit_running(self, request: Request) -> None:
+        """Add a request whose KV is already in place (received from a prefill worker)."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
