@@ -15,9 +15,9 @@ import torch
 
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
-from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
-from workers.model.llama import LlamaForCausalLM
+from workers.errors import InvalidRequestError
 from workers.migration import KVMigrationMixin
+from workers.model.llama import LlamaForCausalLM
 from workers.model_runner import ModelRunner, sampling_requests
 from workers.outputs import TokenDelta
 from workers.prefix_hash import CacheNamespace
@@ -25,6 +25,7 @@ from workers.request import Request, RequestStatus
 from workers.sampler import Sampler, SamplingRow
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
+from workers.validation import RequestLimits
 
 
 @dataclass
@@ -47,6 +48,7 @@ class EngineCore(KVMigrationMixin):
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           namespace=namespace)
@@ -83,27 +85,7 @@ class EngineCore(KVMigrationMixin):
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Every check that needs the model; raises InvalidRequestError with the OpenAI param name."""
-        if len(prompt_token_ids) == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary "
-                                      f"[0, {self.vocab_size})", param="prompt")
-        params.validate_vocab(self.vocab_size)
-        n_prompt = len(prompt_token_ids)
-        if n_prompt >= self.max_model_len:
-            raise ContextLengthExceededError(
-                f"the prompt has {n_prompt} tokens; this model's context length is {self.max_model_len}, "
-                "which must also leave room for at least one output token", param="prompt")
-        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"max_tokens ({params.max_tokens}) plus the prompt ({n_prompt} tokens) exceeds the "
-                f"context length {self.max_model_len}", param="max_tokens")
-        bs = self.config.block_size
-        needed = (n_prompt + 1 + bs - 1) // bs
-        if needed > self.block_manager.num_blocks:
-            raise OutOfBlocksError(f"the prompt needs {needed} KV blocks; the cache holds "
-                                   f"{self.block_manager.num_blocks}")
+        self.limits.validate(prompt_token_ids, params)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[TokenDelta]:
         """Finish the given client requests as aborted; unknown or finished ids are ignored."""

@@ -1,0 +1,109 @@
+"""The cluster config file (TOML), validated with errors that name the field."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class EngineSection(BaseModel):
+    """Per-worker engine settings (see ``workers.config.EngineConfig``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    block_size: int = Field(16, description="tokens per KV block")
+    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(128, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    enable_prefix_caching: bool = True
+    threads_per_worker: int = Field(1, ge=1)
+
+
+class PoolsSection(BaseModel):
+    """How many workers of each role. ``colocated > 0`` replaces the prefill/decode pools."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefill: int = Field(1, ge=0)
+    decode: int = Field(1, ge=0)
+    colocated: int = Field(0, ge=0)
+    cpus_per_worker: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _some_workers(self) -> PoolsSection:
+        if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
+            raise ValueError("pools: need prefill >= 1 and decode >= 1, or colocated >= 1")
+        return self
+
+
+class KVTransferSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    transport: Literal["collective", "object_store"] = "collective"
+    timeout_s: float = Field(30.0, gt=0)
+
+
+class ServerSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_queued_requests: int = Field(512, ge=1, description="reject with 429 beyond this many waiting")
+    model_name: str | None = None
+
+
+class RaySection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    address: str | None = None  # None: start a local Ray instance; "auto": join a cluster
+    num_cpus: int | None = None
+
+
+class ClusterConfig(BaseModel):
+    """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[ray]``."""
+
+    model_config = ConfigDict(extra="forbid")
+    engine: EngineSection = EngineSection()
+    pools: PoolsSection = PoolsSection()
+    kv_transfer: KVTransferSection = KVTransferSection()
+    server: ServerSection = ServerSection()
+    ray: RaySection = RaySection()
+
+    @property
+    def colocated(self) -> bool:
+        return self.pools.colocated > 0
+
+    def with_overrides(self, **overrides: Any) -> ClusterConfig:
+        """Apply dotted overrides like ``{"pools.prefill": 2}``; None values are ignored."""
+        data = self.model_dump()
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            section, field = key.split(".", 1)
+            data[section][field] = value
+        return ClusterConfig.model_validate(data)
+
+
+class ConfigError(ValueError):
+    """A config file is missing, unreadable or invalid; the message names the field."""
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    """Read and validate a TOML config; None gives the defaults (the embedded model, 1P + 1D)."""
+    if path is None:
+        return ClusterConfig()
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"{p}: {where}: {first['msg']}") from None

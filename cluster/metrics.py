@@ -1,0 +1,107 @@
+"""Every Prometheus metric Baton exports, in one place, named as vLLM users expect.
+
+A ``Metrics`` object owns its own registry (no process-global state); the HTTP front records
+request timings, and ``observe_worker`` copies worker load snapshots into the gauges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class _WorkerCounters:
+    """Last cumulative values seen from a worker, to turn snapshots into counter increments."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    def delta(self, name: str, value: float) -> float:
+        prev = self.values.get(name, 0.0)
+        self.values[name] = value
+        return max(value - prev, 0.0)
+
+
+class Metrics:
+    """The metric families; label ``model_name`` on request metrics, ``role``/``worker`` on workers."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+        w = ["role", "worker"]
+        self.ttft = Histogram("baton:time_to_first_token_seconds", "Arrival to first token, end to end",
+                              m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("baton:inter_token_latency_seconds", "Gap between consecutive output tokens",
+                             m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("baton:request_time_per_output_token_seconds",
+                              "(last token - first token) / (output tokens - 1) per request", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("baton:e2e_request_latency_seconds", "Arrival to last token", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("baton:request_queue_time_seconds", "Arrival to first scheduling",
+                                    m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens processed", m, registry=r)
+        self.generation_tokens = Counter("baton:generation_tokens", "Output tokens generated", m, registry=r)
+        self.request_success = Counter("baton:request_success", "Finished requests by finish reason",
+                                       m + ["finished_reason"], registry=r)
+        self.request_rejected = Counter("baton:request_rejected", "Requests rejected at admission",
+                                        m + ["reason"], registry=r)
+        self.running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w,
+                             registry=r)
+        self.waiting = Gauge("baton:num_requests_waiting", "Requests waiting to be scheduled", w, registry=r)
+        self.kv_usage = Gauge("baton:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", w,
+                              registry=r)
+        self.prefix_queries = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", w, registry=r)
+        self.prefix_hits = Counter("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   w, registry=r)
+        self.preemptions = Counter("baton:num_preemptions", "Requests preempted", w, registry=r)
+        self.kv_transfer_seconds = Histogram("baton:kv_transfer_seconds", "Time to ship one request's KV",
+                                             w, buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter("baton:kv_transfer_bytes", "Bytes of KV shipped", w, registry=r)
+        self.worker_up = Gauge("baton:worker_up", "1 while the worker answers health checks", w, registry=r)
+        self._counters: dict[tuple[str, str], _WorkerCounters] = {}
+
+    def observe_request(self, arrival: float, first_token: float | None, token_times: list[float],
+                        prompt_tokens: int, output_tokens: int, finish_reason: str | None,
+                        queue_time: float | None = None) -> None:
+        """Record one finished request from its timestamps (``time.monotonic`` seconds)."""
+        m = self.model_name
+        if first_token is not None:
+            self.ttft.labels(m).observe(first_token - arrival)
+        for a, b in zip(token_times, token_times[1:]):
+            self.itl.labels(m).observe(b - a)
+        if len(token_times) > 1:
+            self.tpot.labels(m).observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+        if token_times:
+            self.e2e.labels(m).observe(token_times[-1] - arrival)
+        if queue_time is not None:
+            self.queue_time.labels(m).observe(queue_time)
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        self.request_success.labels(m, finish_reason or "abort").inc()
+
+    def observe_worker(self, role: str, worker: str, stats: Any, up: bool = True) -> None:
+        """Copy a worker's ``EngineStats`` snapshot (plus optional transfer stats) into the metrics."""
+        self.worker_up.labels(role, worker).set(1.0 if up else 0.0)
+        if not up or stats is None:
+            return
+        self.running.labels(role, worker).set(stats.num_running)
+        self.waiting.labels(role, worker).set(stats.num_waiting)
+        self.kv_usage.labels(role, worker).set(stats.kv_cache_usage)
+        c = self._counters.setdefault((role, worker), _WorkerCounters())
+        self.prefix_queries.labels(role, worker).inc(c.delta("q", stats.prefix_cache_queries))
+        self.prefix_hits.labels(role, worker).inc(c.delta("h", stats.prefix_cache_hits))
+        self.preemptions.labels(role, worker).inc(c.delta("p", stats.num_preemptions))
+        transfer = stats.extra.get("kv_transfer") if stats.extra else None
+        if transfer:
+            self.kv_transfer_bytes.labels(role, worker).inc(c.delta("b", transfer.get("bytes", 0)))
+            for seconds in transfer.get("recent_seconds", []):
+                self.kv_transfer_seconds.labels(role, worker).observe(seconds)
