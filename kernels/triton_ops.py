@@ -1,0 +1,30 @@
+"""Triton implementations of every op in ``kernels.reference``, with identical signatures.
+
+``kernels.backend`` picks these for CUDA tensors. Under ``TRITON_INTERPRET=1`` (set before this
+module is imported) they also accept CPU tensors, which is how they are tested without a GPU.
+The kernels live in ``kernels.triton_*`` modules; this module is the public surface.
+"""
+
+from __future__ import annotations
+
+# Not a kernel (a one-off host-side table), re-exported so both modules expose the same names.
+from kernels.reference import build_cos_sin_cache
+from kernels.triton_cache import copy_blocks, gather_kv_blocks, scatter_kv_blocks, write_kv_cache
+from kernels.triton_decode import paged_decode_attention
+from kernels.triton_norm import fused_add_rms_norm, rms_norm, silu_and_mul
+from kernels.triton_prefill import paged_prefill_attention
+from kernels.triton_rotary import rotary_embedding
+
+__all__ = [
+    "build_cos_sin_cache",
+    "copy_blocks",
+    "fused_add_rms_norm",
+    "gather_kv_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "scatter_kv_blocks",
+    "silu_and_mul",
+    "write_kv_cache",
+]
