@@ -1,6 +1,7 @@
-"""Kernel dispatch: Triton on CUDA tensors, the torch reference elsewhere.
+"""Kernel dispatch: Triton on CUDA tensors; on CPU the native C kernels where they exist
+(``kernels.cpu_ops``), else the torch reference.
 
-``BATON_KERNEL_BACKEND=torch|triton`` forces one side (``triton`` on CPU needs
+``BATON_KERNEL_BACKEND=torch|native|triton`` forces one side (``triton`` on CPU needs
 ``TRITON_INTERPRET=1`` set before import). The engine calls only the functions here.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 
 _OPS = (
     "write_kv_cache",
@@ -32,8 +33,8 @@ def _forced() -> str | None:
     value = os.environ.get("BATON_KERNEL_BACKEND", "").strip().lower()
     if value in ("", "auto"):
         return None
-    if value not in ("torch", "triton"):
-        raise ValueError(f"BATON_KERNEL_BACKEND must be 'torch', 'triton' or 'auto', got {value!r}")
+    if value not in ("torch", "native", "triton"):
+        raise ValueError(f"BATON_KERNEL_BACKEND must be 'torch', 'native', 'triton' or 'auto', got {value!r}")
     return value
 
 
@@ -55,6 +56,8 @@ def select(op: str, device: torch.device) -> Callable[..., Any]:
             return getattr(ops, op)
         if forced == "triton":
             raise RuntimeError(f"BATON_KERNEL_BACKEND=triton but no Triton kernel for {op!r} is available")
+    elif forced != "torch" and device.type == "cpu" and hasattr(cpu_ops, op):
+        return getattr(cpu_ops, op)  # falls back to the reference by itself when it cannot run
     return getattr(reference, op)
 
 
