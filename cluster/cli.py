@@ -45,9 +45,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.config import load_config
+    from cluster.serve import serve
+
+    config = load_config(args.config).with_overrides(**{
+        "engine.model": args.model, "engine.dtype": args.dtype, "server.host": args.host,
+        "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
+        "pools.colocated": args.colocated, "ray.address": args.address,
+        "engine.threads_per_worker": args.threads_per_worker,
+    })
+    return serve(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API from prefill/decode pools on Ray")
+    srv.add_argument("--config", default=None, help="TOML config (default: the embedded model, 1P + 1D)")
+    srv.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
+    srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    srv.add_argument("--prefill", type=int, default=None, help="prefill workers")
+    srv.add_argument("--decode", type=int, default=None, help="decode workers")
+    srv.add_argument("--colocated", type=int, default=None,
+                     help="N colocated workers (prefill and decode in one) instead of the pools")
+    srv.add_argument("--threads-per-worker", type=int, default=None)
+    srv.add_argument("--address", default=None, help="Ray address to join ('auto' for a running cluster)")
+    srv.set_defaults(func=_cmd_serve)
 
     conv = sub.add_parser("convert", help="convert a GGUF (default: the embedded model) to a HF folder")
     conv.add_argument("gguf", nargs="?", default=None, help="path to a .gguf file")
@@ -78,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the CLI prints a clean one-line error for our typed errors
         from workers.errors import BatonError
 
-        if isinstance(exc, BatonError):
+        from cluster.config import ConfigError
+
+        if isinstance(exc, (BatonError, ConfigError)):
             print(f"baton: error: {exc}", file=sys.stderr)
             return 2
         raise

@@ -1,0 +1,105 @@
+"""Starts Ray (or joins a cluster), the worker pools, and hands the front its ``WorkerRef``s."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.pool_client import WorkerRef
+from workers.validation import RequestLimits
+
+log = logging.getLogger("baton.launcher")
+
+
+def init_ray(config: ClusterConfig, num_cpus: int | None = None) -> bool:
+    """``ray.init`` on loopback unless Ray is already up; returns True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if config.ray.address is None:
+        kwargs.update(address="local", _node_ip_address="127.0.0.1",
+                      num_cpus=num_cpus or config.ray.num_cpus or os.cpu_count() or 2,
+                      object_store_memory=512 << 20)
+    else:
+        kwargs["address"] = config.ray.address
+    ray.init(**kwargs)
+    return True
+
+
+class Cluster:
+    """The worker actors of one deployment. ``start`` blocks until every worker has loaded its model."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.workers: list[WorkerRef] = []
+        self._started_ray = False
+
+    def roles(self) -> list[str]:
+        p = self.config.pools
+        if p.colocated:
+            return ["colocated"] * p.colocated
+        return ["prefill"] * p.prefill + ["decode"] * p.decode
+
+    def start(self) -> None:
+        import ray
+
+        from workers.worker import Worker
+
+        self._started_ray = init_ray(self.config)
+        eng = self.config.engine
+        engine_kwargs = eng.model_dump(exclude={"threads_per_worker"})
+        threads = eng.threads_per_worker
+        env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+        actor_cls = ray.remote(Worker)
+        counters: dict[str, int] = {}
+        pending = []
+        for role in self.roles():
+            counters[role] = counters.get(role, 0) + 1
+            wid = f"{role}-{counters[role] - 1}"
+            handle = actor_cls.options(
+                num_cpus=self.config.pools.cpus_per_worker, max_concurrency=32,
+                runtime_env={"env_vars": env}, name=None,
+            ).remote(wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
+                     self.config.kv_transfer.timeout_s)
+            pending.append((wid, role, handle))
+        infos = ray.get([h.info.remote() for _, _, h in pending])
+        self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]
+        peers = {w.worker_id: w.handle for w in self.workers}
+        ray.get([w.handle.set_peers.remote(peers) for w in self.workers])
+        log.info("workers ready: %s", ", ".join(w.worker_id for w in self.workers))
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.workers[0].info["model_path"])
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What every request must fit: the smallest cache among the workers."""
+        infos = [w.info for w in self.workers]
+        return RequestLimits(vocab_size=infos[0]["vocab_size"],
+                             max_model_len=min(i["max_model_len"] for i in infos),
+                             num_blocks=min(i["num_blocks"] for i in infos),
+                             block_size=infos[0]["block_size"])
+
+    def stop(self) -> None:
+        """Shut every worker down and stop Ray if this cluster started it. Idempotent."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for w in self.workers:
+            try:
+                ray.get(w.handle.shutdown.remote(), timeout=10)
+            except Exception:  # already dead: killing below is enough
+                pass
+            ray.kill(w.handle)
+        self.workers = []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False

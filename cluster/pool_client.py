@@ -1,0 +1,192 @@
+"""The front's view of the worker pools: an ``EngineClient`` over Ray actors.
+
+One poll loop per worker pulls msgpack batches of token deltas and hands each to its
+request's stream. A request goes to a prefill worker (which emits the first token and ships the
+KV) and continues on a decode worker; in colocated mode one worker does both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.routing import RoutingPolicy, WorkerLoad, make_policy
+from workers.errors import OverloadedError
+from workers.messages import decode_deltas, params_to_dict
+from workers.outputs import TokenDelta
+from workers.sampling_params import SamplingParams
+from workers.validation import RequestLimits
+
+log = logging.getLogger("baton.pool")
+
+
+@dataclass
+class WorkerRef:
+    """A worker actor as the front knows it."""
+
+    worker_id: str
+    role: str
+    handle: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    alive: bool = True
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    remaining: int
+    workers: set[str]
+
+
+class PoolClient:
+    """Routes requests over prefill/decode (or colocated) workers and streams their deltas back."""
+
+    def __init__(self, workers: list[WorkerRef], limits: RequestLimits, max_queued: int = 512,
+                 policy: RoutingPolicy | None = None, on_stats: Any = None) -> None:
+        self.workers = {w.worker_id: w for w in workers}
+        self.limits = limits
+        self.max_queued = max_queued
+        self.policy = policy or make_policy("least_loaded")
+        self.on_stats = on_stats
+        self._streams: dict[str, _Stream] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def colocated(self) -> bool:
+        return any(w.role == "colocated" for w in self.workers.values())
+
+    async def start(self, stats_interval_s: float = 1.0) -> None:
+        """Start one poll loop per worker and the stats loop (call from the serving event loop)."""
+        for w in self.workers.values():
+            self._tasks.append(asyncio.create_task(self._poll_loop(w)))
+        self._tasks.append(asyncio.create_task(self._stats_loop(stats_interval_s)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    # ------------------------------------------------------------------ EngineClient
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
+        self.limits.validate(prompt_token_ids, params)
+        if len(self._streams) >= self.max_queued:
+            raise OverloadedError(f"{len(self._streams)} requests in flight; the limit is {self.max_queued}")
+        arrival = arrival_time or time.monotonic()
+        first, decode = self._route(prompt_token_ids)
+        stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()))
+        self._streams[request_id] = stream
+        first.load.outstanding += 1
+        if decode is not None:
+            decode.load.outstanding += 1
+        done = False
+        try:
+            await first.handle.add_request.remote(
+                request_id, prompt_token_ids, params_to_dict(params), priority, cache_salt,
+                time.monotonic() - arrival, decode.worker_id if decode else None)
+            while True:
+                delta = await stream.queue.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                yield delta
+                if delta.finish_reason is not None:
+                    stream.remaining -= 1
+                    if stream.remaining == 0:
+                        done = True
+                        return
+        finally:
+            self._streams.pop(request_id, None)
+            first.load.outstanding -= 1
+            if decode is not None:
+                decode.load.outstanding -= 1
+            if not done:
+                self.abort(request_id, stream.workers)
+
+    def abort(self, request_id: str, workers: set[str] | None = None) -> None:
+        for wid in workers or self.workers:
+            w = self.workers.get(wid)
+            if w is not None and w.alive:
+                w.handle.abort.remote(request_id)
+
+    def finish_sample(self, request_id: str, index: int, stop: str) -> None:
+        stream = self._streams.get(request_id)
+        for wid in stream.workers if stream else ():
+            self.workers[wid].handle.finish_sample.remote(request_id, index, stop)
+
+    def stats(self) -> dict[str, Any]:
+        return {wid: w.load for wid, w in self.workers.items()}
+
+    def ready(self) -> bool:
+        roles = {w.role for w in self.workers.values() if w.alive}
+        return "colocated" in roles or {"prefill", "decode"} <= roles
+
+    # ------------------------------------------------------------------ internals
+    def _route(self, prompt_token_ids: list[int]) -> tuple[WorkerRef, WorkerRef | None]:
+        alive = [w for w in self.workers.values() if w.alive]
+        if self.colocated:
+            pool = [w for w in alive if w.role == "colocated"]
+            if not pool:
+                raise OverloadedError("no colocated worker is alive", retry_after_s=5.0)
+            return self.policy.choose(pool, prompt_token_ids), None
+        prefill = [w for w in alive if w.role == "prefill"]
+        decode = [w for w in alive if w.role == "decode"]
+        if not prefill or not decode:
+            raise OverloadedError("a pool has no live worker", retry_after_s=5.0)
+        return self.policy.choose(prefill, prompt_token_ids), self.policy.choose_decode(decode)
+
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(d)
+
+    async def _poll_loop(self, w: WorkerRef) -> None:
+        while True:
+            try:
+                data = await w.handle.poll.remote(0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the actor died: fail its requests, stop routing to it
+                log.error("worker %s failed: %r", w.worker_id, exc)
+                self._mark_dead(w, exc)
+                return
+            if data:
+                self._deliver(decode_deltas(data))
+
+    def _mark_dead(self, w: WorkerRef, exc: BaseException) -> None:
+        w.alive = False
+        for rid, stream in list(self._streams.items()):
+            if w.worker_id in stream.workers:
+                for other in stream.workers - {w.worker_id}:
+                    ref = self.workers.get(other)
+                    if ref is not None and ref.alive:
+                        ref.handle.abort.remote(rid)
+                stream.queue.put_nowait(RuntimeError(f"worker {w.worker_id} failed: {exc!r}"))
+
+    async def _stats_loop(self, interval_s: float) -> None:
+        while True:
+            for w in list(self.workers.values()):
+                if not w.alive:
+                    if self.on_stats:
+                        self.on_stats(w, None)
+                    continue
+                try:
+                    stats = await asyncio.wait_for(w.handle.stats.remote(), timeout=max(interval_s * 5, 5))
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    continue
+                w.load.update(stats)
+                if self.on_stats:
+                    self.on_stats(w, stats)
+            await asyncio.sleep(interval_s)
