@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the CLI prints a clean one-line error for our typed errors
-        from workers.errors import BatonError
-
         from cluster.config import ConfigError
+        from workers.errors import BatonError
 
         if isinstance(exc, (BatonError, ConfigError)):
             print(f"baton: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class PoolClient:
         self.on_stats = on_stats
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
+        self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one outbox per front
 
     @property
     def colocated(self) -> bool:
@@ -93,7 +95,7 @@ class PoolClient:
         try:
             await first.handle.add_request.remote(
                 request_id, prompt_token_ids, params_to_dict(params), priority, cache_salt,
-                time.monotonic() - arrival, decode.worker_id if decode else None)
+                time.monotonic() - arrival, decode.worker_id if decode else None, self.front_id)
             while True:
                 delta = await stream.queue.get()
                 if isinstance(delta, BaseException):
@@ -153,7 +155,7 @@ class PoolClient:
     async def _poll_loop(self, w: WorkerRef) -> None:
         while True:
             try:
-                data = await w.handle.poll.remote(0.5)
+                data = await w.handle.poll.remote(self.front_id, 0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the actor died: fail its requests, stop routing to it

@@ -1,0 +1,297 @@
+"""The Worker: one engine in one Ray actor, with a role (prefill, decode or colocated).
+
+The front talks to it with small calls (``add_request``, ``abort``, ``poll``); peers call the
+KV-migration methods. Outputs leave as one msgpack batch per ``poll``, never one message per
+token. A prefill worker parks each request after its first token and ships the KV to the decode
+worker named in the request: decode reserves blocks, the data moves over the pair's
+``torch.distributed`` group (or the object store), decode admits, prefill releases. Any failure
+frees both sides and ends the request with ``finish_reason="abort"``.
+
+The class is plain Python; ``cluster.launcher`` wraps it with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig, SchedulerConfig
+from workers.errors import BatonError, OutOfBlocksError
+from workers.kv_transfer import KVTransferEngine, KVTransferError, PairGroup, PairRendezvous, transfer_key
+from workers.llm import build_engine
+from workers.messages import encode_deltas, params_from_dict
+from workers.migration import MigrationMeta
+from workers.outputs import TokenDelta
+
+log = logging.getLogger("baton.worker")
+ROLES = ("prefill", "decode", "colocated")
+
+
+class Worker:
+    """An engine plus its outbox and KV shipping; every engine access goes through its loop thread."""
+
+    def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int = 1,
+                 kv_transport: str = "collective", kv_timeout_s: float = 30.0,
+                 host: str = "127.0.0.1") -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(threads)
+        self.worker_id, self.role = worker_id, role
+        self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
+        engine = dict(engine)
+        sched_keys = set(SchedulerConfig.__dataclass_fields__)
+        sched = SchedulerConfig(**{k: engine.pop(k) for k in list(engine) if k in sched_keys})
+        core, self.tokenizer, self.model_path = build_engine(EngineConfig(scheduler=sched, **engine))
+        self.core = core
+        # One outbox per front (HTTP replica): a request's deltas go to the front that sent it.
+        self._outboxes: dict[str, list[TokenDelta]] = {}
+        self._owner: dict[str, list[Any]] = {}  # request id -> [front id, samples not finished]
+        self._out_cv = threading.Condition()
+        self.engine = AsyncEngine(core, on_step=self._on_step)
+        self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
+        self.peers: dict[str, Any] = {}
+        self._pairs: dict[str, PairGroup] = {}
+        self._pair_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
+        self._cancelled: dict[str, float] = {}  # ids aborted before their KV arrived (decode role)
+        self._shipper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-ship")
+        self.transfer_log: list[float] = []
+
+    # ------------------------------------------------------------------ front-facing
+    def info(self) -> dict[str, Any]:
+        c = self.core
+        return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
+                "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
+                "block_size": c.config.block_size, "max_model_len": c.max_model_len,
+                "vocab_size": c.vocab_size, "pid": os.getpid()}
+
+    def set_peers(self, peers: dict[str, Any]) -> None:
+        """Actor handles of the other workers, by worker id (for KV shipping)."""
+        self.peers = {k: v for k, v in peers.items() if k != self.worker_id}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+                    priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
+                    decode_worker: str | None = None, front_id: str = "default") -> None:
+        """Queue a request (validated by the front). A prefill worker needs ``decode_worker``."""
+        sampling = params_from_dict(params)
+        self._register(request_id, front_id, sampling.n)
+        prefill_only = self.role == "prefill"
+        if prefill_only:
+            if decode_worker not in self.peers:
+                raise ValueError(f"unknown decode worker {decode_worker!r}")
+            self._decode_target[request_id] = decode_worker
+        arrival = time.monotonic() - age_s
+
+        def add(engine: Any) -> None:
+            try:
+                engine.add_request(request_id, prompt_token_ids, sampling, priority=priority,
+                                   cache_salt=cache_salt, arrival_time=arrival, prefill_only=prefill_only)
+            except BatonError as exc:
+                log.warning("request %s rejected by the engine: %s", request_id, exc)
+                self._emit([TokenDelta(request_id, i, [], finish_reason="abort", stop_reason=str(exc))
+                            for i in range(sampling.n)])
+
+        self.engine.submit(add)
+
+    def abort(self, request_id: str) -> None:
+        with self._out_cv:
+            self._owner.pop(request_id, None)
+        now = time.monotonic()
+        if len(self._cancelled) > 4096:  # tombstones only matter while a transfer may be in flight
+            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < 600}
+        self._cancelled[request_id] = now
+        self.engine.submit(lambda e: e.abort_request(request_id))
+
+    def finish_sample(self, request_id: str, index: int, stop: str) -> None:
+        self.engine.submit(lambda e: e.finish_request(request_id, index, "stop", stop))
+
+    def poll(self, front_id: str = "default", timeout_s: float = 0.5) -> bytes:
+        """Wait up to ``timeout_s`` for this front's outputs; return them as one msgpack batch."""
+        with self._out_cv:
+            if not self._outboxes.get(front_id):
+                self._out_cv.wait(timeout_s)
+            batch = self._outboxes.pop(front_id, [])
+        return encode_deltas(batch)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        recent, self.transfer_log = self.transfer_log, []
+        out = dict(s.__dict__)
+        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent}}
+        out["alive"] = self.engine.is_alive
+        return out
+
+    def health(self) -> bool:
+        return self.engine.is_alive
+
+    def shutdown(self) -> None:
+        self._shipper.shutdown(wait=False, cancel_futures=True)
+        for group in self._pairs.values():
+            group.close()
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ outputs
+    def _register(self, request_id: str, front_id: str, n: int) -> None:
+        with self._out_cv:
+            self._owner.setdefault(request_id, [front_id, n])
+
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        with self._out_cv:
+            for d in deltas:
+                owner = self._owner.get(d.request_id)
+                if owner is None:
+                    continue  # aborted by its front: nobody listens
+                self._outboxes.setdefault(owner[0], []).append(d)
+                if d.finish_reason is not None:
+                    owner[1] -= 1
+                    if owner[1] <= 0:
+                        del self._owner[d.request_id]
+            self._out_cv.notify_all()
+
+    def _on_step(self, deltas: list[TokenDelta]) -> None:
+        """Engine thread: queue outputs; start shipping the KV of requests that just parked."""
+        self._emit(deltas)
+        for d in deltas:
+            if d.kv_ready:
+                member = self._member_id(d.request_id, d.index)
+                self._shipper.submit(self._ship, d.request_id, member)
+
+    def _member_id(self, request_id: str, index: int) -> str:
+        return request_id if request_id in self.core._members else f"{request_id}#{index}"
+
+    # ------------------------------------------------------------------ prefill side
+    def _ship(self, request_id: str, member_id: str) -> None:
+        target = self._decode_target.get(request_id)
+        peer = self.peers.get(target) if target else None
+        started = time.perf_counter()
+        try:
+            if peer is None:
+                raise KVTransferError(f"decode worker {target!r} is not known")
+            meta, table = self.engine.call(lambda e: e.migration_meta(member_id))
+            needed = self._reserve_on_peer(peer, meta)
+            blocks = [table[i] for i in needed]
+            if self.kv_transport == "object_store":
+                payload = self.transfer.pack_blocks(blocks)
+                _ray_get(peer.receive_kv_packed.remote(member_id, needed, payload), self.kv_timeout_s)
+            else:
+                with self._pair_lock(target):
+                    group = self._pair(target, peer)
+                    ref = peer.receive_kv.remote(self.worker_id, member_id, needed)
+                    self.transfer.send_blocks(group, blocks, transfer_id=transfer_key(member_id))
+                    _ray_get(ref, self.kv_timeout_s)
+            self.transfer_log.append(time.perf_counter() - started)
+        except Exception as exc:  # any failure: free both sides, end the sample as aborted
+            log.warning("KV shipping of %s to %s failed: %r", member_id, target, exc)
+            if peer is not None:
+                peer.cancel_incoming.remote(member_id)
+            self._drop_pair(target)
+            index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
+            self._emit([TokenDelta(request_id, index, [], finish_reason="abort",
+                                   stop_reason=f"kv transfer failed: {exc}")])
+        finally:
+            self.engine.submit(lambda e: e.release_parked(member_id))
+
+    def _reserve_on_peer(self, peer: Any, meta: MigrationMeta) -> list[int]:
+        """Ask the decode worker for blocks, retrying while it is full, until the timeout."""
+        deadline = time.monotonic() + self.kv_timeout_s
+        delay = 0.01
+        while True:
+            owner = self._owner.get(meta.request_id)
+            front = owner[0] if owner else "default"
+            needed = _ray_get(peer.reserve_incoming.remote(meta.to_dict(), front), self.kv_timeout_s)
+            if needed is not None:
+                return needed
+            if time.monotonic() > deadline:
+                raise OutOfBlocksError(f"decode worker had no room for {meta.member_id} within "
+                                       f"{self.kv_timeout_s}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _pair_lock(self, peer_id: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._pair_locks.setdefault(peer_id, threading.Lock())
+
+    def _pair(self, peer_id: str, peer: Any) -> PairGroup:
+        """The pair group to ``peer_id``, created on first use (this side listens as rank 0)."""
+        group = self._pairs.get(peer_id)
+        if group is not None and not group.usable:  # broken by an earlier failure: start over
+            self._drop_pair(peer_id)
+            group = None
+        if group is None:
+            group = PairGroup(self.core.runner.device)
+            rendezvous = group.listen(host=self.host, timeout_s=self.kv_timeout_s)
+            ref = peer.join_pair.remote(self.worker_id, rendezvous.to_dict())
+            group.join(rendezvous, rank=0)
+            _ray_get(ref, self.kv_timeout_s)
+            self._pairs[peer_id] = group
+        return group
+
+    def _drop_pair(self, peer_id: str | None) -> None:
+        group = self._pairs.pop(peer_id, None) if peer_id else None
+        if group is not None:
+            group.close()
+
+    # ------------------------------------------------------------------ decode side
+    def reserve_incoming(self, meta: dict[str, Any], front_id: str = "default") -> list[int] | None:
+        """Allocate blocks for an arriving request; None when full now (the sender retries)."""
+        m = MigrationMeta(**meta)
+        if m.request_id in self._cancelled:
+            raise KVTransferError(f"request {m.request_id} was aborted")
+        self._register(m.request_id, front_id, int(m.params.get("n", 1)))
+        try:
+            return self.engine.call(lambda e: e.reserve_remote(m))
+        except OutOfBlocksError:
+            return None
+
+    def join_pair(self, peer_id: str, rendezvous: dict[str, Any]) -> bool:
+        """Rank 1 of a new pair group with ``peer_id`` (replaces any previous one)."""
+        old = self._pairs.pop(peer_id, None)
+        if old is not None:
+            old.close()
+        group = PairGroup(self.core.runner.device)
+        group.join(PairRendezvous.from_dict(rendezvous), rank=1)
+        self._pairs[peer_id] = group
+        return True
+
+    def receive_kv(self, peer_id: str, member_id: str, needed: list[int]) -> int:
+        """Receive the blocks the sender is pushing now, then start decoding the request."""
+        table = self.engine.call(lambda e: e.incoming_block_table(member_id))
+        try:
+            nbytes = self.transfer.recv_blocks(self._pairs[peer_id], [table[i] for i in needed],
+                                               transfer_id=transfer_key(member_id))
+        except Exception:
+            self.engine.submit(lambda e: e.cancel_remote(member_id))
+            raise
+        self._admit(member_id)
+        return nbytes
+
+    def receive_kv_packed(self, member_id: str, needed: list[int], payload: Any) -> int:
+        table = self.engine.call(lambda e: e.incoming_block_table(member_id))
+        self.transfer.unpack_blocks([table[i] for i in needed], payload)
+        self._admit(member_id)
+        return int(getattr(payload, "nbytes", 0))
+
+    def cancel_incoming(self, member_id: str) -> None:
+        self.engine.submit(lambda e: e.cancel_remote(member_id))
+
+    def _admit(self, member_id: str) -> None:
+        request_id = member_id.split("#", 1)[0]
+        if request_id in self._cancelled:  # aborted while the KV was on its way
+            self.engine.submit(lambda e: e.cancel_remote(member_id))
+            return
+        self.engine.submit(lambda e: e.admit_remote(member_id))
+
+
+def _ray_get(ref: Any, timeout: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout)
