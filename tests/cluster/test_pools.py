@@ -130,3 +130,41 @@ def test_colocated_mode_matches(ray_session, tiny_model_dir):
         assert toks[0] == llm.generate([prompt], params)[0].outputs[0].token_ids
     finally:
         cluster.stop()
+
+
+def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir):
+    """Kill the decode actor mid-stream: the stream errors out, the prefill worker keeps no KV,
+    and new requests are refused (no live decode worker) instead of hanging."""
+    import ray
+
+    from workers.errors import OverloadedError
+
+    cluster = Cluster(_config(tiny_model_dir, prefill=1, decode=1))
+    cluster.start()
+    prefill = next(w for w in cluster.workers if w.role == "prefill")
+    decode = next(w for w in cluster.workers if w.role == "decode")
+
+    async def main():
+        pool = PoolClient(cluster.workers, cluster.limits)
+        await pool.start(stats_interval_s=0.2)
+        got = 0
+        try:
+            with pytest.raises(RuntimeError, match="failed"):
+                async for d in pool.generate("doomed", [5, 6, 7, 8, 9], SamplingParams(
+                        temperature=0, max_tokens=400, ignore_eos=True)):
+                    got += len(d.token_ids)
+                    if got == 3:
+                        ray.kill(decode.handle)
+            with pytest.raises(OverloadedError):
+                async for _ in pool.generate("after", [5, 6], SamplingParams(max_tokens=2)):
+                    pass
+        finally:
+            await pool.stop()
+        return got
+
+    try:
+        assert asyncio.run(main()) >= 3
+        stats = ray.get(prefill.handle.stats.remote())
+        assert stats["num_free_blocks"] == NUM_BLOCKS and stats["num_running"] == 0
+    finally:
+        cluster.stop()
