@@ -32,6 +32,19 @@ class ModelLoadError(BatonError, RuntimeError):
     """A model folder is missing files or has an unsupported configuration."""
 
 
+class KVTransferError(BatonError, RuntimeError):
+    """Shipping KV blocks between a prefill and a decode worker failed (peer gone, timeout,
+    header mismatch); the caller frees the destination blocks and retries or recomputes."""
+
+
 class KVCacheError(BatonError, RuntimeError):
     """The KV block manager was called inconsistently (unknown sequence, stale
     prefix hit, counts going backwards); the call changed nothing."""
+
+
+class OverloadedError(BatonError, RuntimeError):
+    """Too much work queued or no live worker: the HTTP front answers 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -186,7 +186,9 @@ class Worker:
                 with self._pair_lock(target):
                     group = self._pair(target, peer)
                     ref = peer.receive_kv.remote(self.worker_id, member_id, needed)
-                    self.transfer.send_blocks(group, blocks, transfer_id=transfer_key(member_id))
+                    # per-layer sends overlap the next gather with the wire; worth it past a few MB
+                    self.transfer.send_blocks(group, blocks, transfer_id=transfer_key(member_id),
+                                              per_layer=len(blocks) >= 16)
                     _ray_get(ref, self.kv_timeout_s)
             self.transfer_log.append(time.perf_counter() - started)
         except Exception as exc:  # any failure: free both sides, end the sample as aborted
