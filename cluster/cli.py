@@ -53,7 +53,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "engine.model": args.model, "engine.dtype": args.dtype, "server.host": args.host,
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
-        "engine.threads_per_worker": args.threads_per_worker,
+        "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
     })
     return serve(config)
 
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=None, help="decode workers")
     srv.add_argument("--colocated", type=int, default=None,
                      help="N colocated workers (prefill and decode in one) instead of the pools")
+    srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
     srv.add_argument("--threads-per-worker", type=int, default=None)
     srv.add_argument("--address", default=None, help="Ray address to join ('auto' for a running cluster)")
     srv.set_defaults(func=_cmd_serve)

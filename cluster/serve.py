@@ -72,7 +72,10 @@ def serve(config: ClusterConfig) -> int:
         print(f"Baton serving {dep.cluster.model_path.name} ({mode} workers) at http://{host}:{port}/v1",
               flush=True)
         print(f"ready in {time.monotonic() - started:.1f}s; Ctrl-C to stop", flush=True)
-        run_server(dep.app, host=host, port=port)
+        try:
+            run_server(dep.app, host=host, port=port)
+        except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+            pass
     finally:
         print("shutting down workers", file=sys.stderr, flush=True)
         dep.stop()

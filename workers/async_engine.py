@@ -125,6 +125,10 @@ class AsyncEngine:
         return EngineStats(e.num_running, e.num_waiting, bm.usage, bm.num_free_blocks, bm.num_blocks,
                            bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions)
 
+    def submit(self, fn: Callable[[EngineCore], Any]) -> None:
+        """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""
+        self._post(lambda: fn(self.engine))
+
     def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
         """Run ``fn(engine)`` on the loop thread and return its result (for control operations)."""
         done = threading.Event()
@@ -188,13 +192,16 @@ class AsyncEngine:
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         if self.on_step is not None:
             self.on_step(deltas)
+        done = set()
         for d in deltas:
             stream = self._streams.get(d.request_id)
             if stream is None:
                 continue
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, d)
             if d.finish_reason is not None and all_finished(self.engine, d.request_id):
-                self._streams.pop(d.request_id, None)
+                done.add(d.request_id)  # forget only after this step: other samples may finish too
+        for rid in done:
+            self._streams.pop(rid, None)
 
 
 def all_finished(engine: EngineCore, request_id: str) -> bool:

@@ -77,3 +77,17 @@ def test_invalid_request_raises_before_queueing(async_engine):
     with pytest.raises(InvalidRequestError):
         asyncio.run(main())
     assert eng.stats().num_waiting == 0
+
+
+def test_n_samples_finishing_in_the_same_step_all_arrive(async_engine):
+    eng, llm = async_engine
+    prompt = llm.tokenizer.encode("Hello")
+
+    async def main():
+        finished = {}
+        async for d in eng.generate("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=4)):
+            if d.finish_reason:
+                finished[d.index] = d.finish_reason
+        return finished
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == {0: "length", 1: "length", 2: "length"}

@@ -1,0 +1,268 @@
+"""OpenAI chat and completions on top of an ``EngineClient``.
+
+A request becomes token ids and ``SamplingParams`` (checked against the context window), runs
+as one engine request per prompt, and comes back as one response or as SSE chunks built from
+the same per-choice text state, so a streamed response concatenates to the non-streamed one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from router.engine_client import EngineClient
+from router.errors import APIError, to_api_error
+from router.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    UsageInfo,
+)
+from router.server import ClientGone, EventStreamResponse, run_until_disconnected
+from router.stream import SSE_DONE, Choices, EngineJob, EngineRun, LogprobFormatter, SampleState, sse
+from workers.errors import ContextLengthExceededError, InvalidRequestError
+from workers.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    """One HTTP request on its way through: its id, the parsed body and its engine jobs."""
+
+    kind: str  # "chat" | "completion"
+    id: str
+    body: SamplingRequest
+    logprobs: int | None
+    jobs: list[EngineJob] = field(default_factory=list)
+    echo: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    """Serves chat and completions for one model through ``client``.
+
+    ``queue_size`` bounds the deltas buffered per request between the engine and the SSE
+    writer (see ``EngineRun``).
+    """
+
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 queue_size: int = 64) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.queue_size = queue_size
+        self.logprob_fmt = LogprobFormatter(tokenizer)
+        self.created = int(time.time())
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name,
+                                         max_model_len=self.max_model_len)])
+
+    async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+        """``POST /v1/chat/completions``: render the chat template, then generate."""
+        self._check_model(body.model)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        call = _Call("chat", f"chatcmpl-{uuid.uuid4().hex}", body, body.engine_logprobs())
+        call.jobs.append(self._job(call, call.id, ids, None, body.requested_max_tokens(), "messages"))
+        return await self._serve(call, http)
+
+    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        """``POST /v1/completions``: a prompt or a batch of prompts, each giving ``n`` choices."""
+        self._check_model(body.model)
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of different from n is not supported", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not "
+                           "compute", param="echo")
+        call = _Call("completion", f"cmpl-{uuid.uuid4().hex}", body, body.logprobs, echo=body.echo)
+        prompts = self._completion_prompts(body.prompt)
+        for i, (text, ids) in enumerate(prompts):
+            rid = call.id if len(prompts) == 1 else f"{call.id}-{i}"
+            call.jobs.append(self._job(call, rid, ids, text, body.max_tokens, "prompt"))
+        return await self._serve(call, http)
+
+    # ------------------------------------------------------------------ request -> engine jobs
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        out: list[tuple[str | None, list[int]]] = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+            else:
+                out.append((self.tokenizer.decode(p, skip_special_tokens=False), list(p)))
+        return out
+
+    def _job(self, call: _Call, request_id: str, ids: list[int], text: str | None, max_tokens: int | None,
+             prompt_param: str) -> EngineJob:
+        """Engine request for one prompt; absent ``max_tokens`` means the rest of the context."""
+        limit, n_prompt = self.max_model_len, len(ids)
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        if n_prompt >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
+                "tokens (at least one output token must fit).", param=prompt_param)
+        if max_tokens is None:
+            max_tokens = limit - n_prompt
+        elif n_prompt + max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+        body = call.body
+        return EngineJob(request_id, ids, body.to_sampling_params(max_tokens, call.logprobs), text,
+                         priority=body.priority, cache_salt=body.cache_salt, arrival_time=time.monotonic())
+
+    # ------------------------------------------------------------------ running
+    async def _serve(self, call: _Call, http: Request) -> Response:
+        logger.debug("request %s (%s) user=%s prompts=%d", call.id, call.kind, call.body.user, len(call.jobs))
+        choices = Choices(self.client, self.tokenizer, call.jobs)
+        run = EngineRun(self.client, self.queue_size)
+        handed_off = False
+        try:
+            await run_until_disconnected(http.receive, run.start(call.jobs))
+            if call.body.stream:
+                events = self._chat_events if call.kind == "chat" else self._completion_events
+                handed_off = True  # the stream owns ``run`` from here
+                return EventStreamResponse(events(call, choices, run), on_close=run.cancel)
+            await run_until_disconnected(http.receive, self._drain(choices, run))
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening; the engine already aborted
+        except Exception as exc:
+            raise to_api_error(exc) from exc
+        finally:
+            if not handed_off:
+                await run.close()
+        build = self._chat_response if call.kind == "chat" else self._completion_response
+        return JSONResponse(build(call, choices).model_dump(mode="json"))
+
+    async def _updates(self, choices: Choices, run: EngineRun) -> AsyncIterator[tuple[SampleState, str]]:
+        """(choice, new text) as deltas arrive, until every choice has finished."""
+        while not choices.done:
+            delta = await run.next()
+            if delta is None:  # streams ended without finishing every sample
+                for item in choices.abort_unfinished():
+                    yield item
+                return
+            item = choices.apply(delta)
+            if item is not None:
+                yield item
+
+    async def _drain(self, choices: Choices, run: EngineRun) -> None:
+        async for _ in self._updates(choices, run):
+            pass
+
+    # ------------------------------------------------------------------ responses
+    def _chat_response(self, call: _Call, choices: Choices) -> ChatCompletionResponse:
+        out = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
+                          logprobs=self._chat_logprobs(call, s.token_ids, s.logprobs, s.top_logprobs),
+                          finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+               for s in choices.samples]
+        return ChatCompletionResponse(id=call.id, created=call.created, model=self.model_name, choices=out,
+                                      usage=choices.usage())
+
+    def _completion_response(self, call: _Call, choices: Choices) -> CompletionResponse:
+        out = []
+        for s in choices.samples:
+            prefix = self._echo_text(call, s)
+            logprobs = None
+            if call.logprobs is not None:
+                logprobs, _ = self.logprob_fmt.completion(s.token_ids, s.logprobs, s.top_logprobs, len(prefix))
+            out.append(CompletionChoice(index=s.index, text=prefix + s.text, logprobs=logprobs,
+                                        finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        return CompletionResponse(id=call.id, created=call.created, model=self.model_name, choices=out,
+                                  usage=choices.usage())
+
+    def _chat_logprobs(self, call: _Call, ids: list[int], lps: list[float],
+                       tops: list[list[tuple[int, float]]]) -> Any:
+        return None if call.logprobs is None else self.logprob_fmt.chat(ids, lps, tops)
+
+    def _echo_text(self, call: _Call, sample: SampleState) -> str:
+        if not call.echo:
+            return ""
+        n = call.jobs[0].params.n
+        return call.jobs[sample.index // n].prompt_text or ""
+
+    async def _chat_events(self, call: _Call, choices: Choices, run: EngineRun) -> AsyncIterator[str]:
+        def chunk(items: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            msg = ChatCompletionChunk(id=call.id, created=call.created, model=self.model_name, choices=items,
+                                      usage=usage)
+            return sse(msg.model_dump_json(exclude=None if call.body.include_usage else {"usage"}))
+
+        try:
+            for s in choices.samples:
+                yield chunk([ChatChunkChoice(index=s.index, delta=DeltaMessage(role="assistant", content=""))])
+            async for s, text in self._updates(choices, run):
+                if not text and not s.done:
+                    continue  # text held back; its tokens' logprobs go with the next chunk
+                ids, lps, tops = s.take_tokens()
+                yield chunk([ChatChunkChoice(index=s.index, delta=DeltaMessage(content=text or None),
+                                             logprobs=self._chat_logprobs(call, ids, lps, tops),
+                                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)])
+            if call.body.include_usage:
+                yield chunk([], choices.usage())
+        except Exception as exc:
+            yield sse(json.dumps(to_api_error(exc).body(), ensure_ascii=False))
+        finally:
+            await run.close()
+        yield SSE_DONE
+
+    async def _completion_events(self, call: _Call, choices: Choices, run: EngineRun) -> AsyncIterator[str]:
+        def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            msg = CompletionResponse(id=call.id, created=call.created, model=self.model_name, choices=items,
+                                     usage=usage)
+            return sse(msg.model_dump_json(exclude=None if call.body.include_usage else {"usage"}))
+
+        offsets = {s.index: 0 for s in choices.samples}  # text_offset of the next token
+        try:
+            for s in choices.samples:
+                if prefix := self._echo_text(call, s):
+                    offsets[s.index] = len(prefix)
+                    yield chunk([CompletionChoice(index=s.index, text=prefix)])
+            async for s, text in self._updates(choices, run):
+                if not text and not s.done:
+                    continue
+                ids, lps, tops = s.take_tokens()
+                logprobs = None
+                if call.logprobs is not None:
+                    logprobs, offsets[s.index] = self.logprob_fmt.completion(ids, lps, tops, offsets[s.index])
+                yield chunk([CompletionChoice(index=s.index, text=text, logprobs=logprobs,
+                                              finish_reason=s.finish_reason, stop_reason=s.stop_reason)])
+            if call.body.include_usage:
+                yield chunk([], choices.usage())
+        except Exception as exc:
+            yield sse(json.dumps(to_api_error(exc).body(), ensure_ascii=False))
+        finally:
+            await run.close()
+        yield SSE_DONE

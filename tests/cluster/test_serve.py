@@ -1,0 +1,124 @@
+"""The product path: Ray pools + the OpenAI HTTP front, through the official SDK and `baton serve`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.serve import Deployment
+
+
+def _config(model_dir, **pools) -> ClusterConfig:
+    return ClusterConfig.model_validate({
+        "engine": {"model": str(model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": 64},
+        "pools": pools, "server": {"model_name": "tiny"},
+    })
+
+
+@pytest.fixture(scope="module")
+def servers(ray_session, tiny_model_dir):
+    from router.server import ServerThread
+
+    deployments = {}
+    threads = {}
+    for name, pools in (("disagg", {"prefill": 1, "decode": 1}), ("colocated", {"colocated": 1})):
+        dep = Deployment(_config(tiny_model_dir, **pools)).start()
+        deployments[name] = dep
+        threads[name] = ServerThread(dep.app).start()
+    yield threads
+    for name in threads:
+        threads[name].stop()
+        deployments[name].stop()
+
+
+def _chat(url: str, **kw):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                          **kw)
+
+
+def test_streaming_chat_is_identical_disaggregated_and_colocated(servers):
+    texts = {}
+    for name, server in servers.items():
+        chunks = list(_chat(server.url, stream=True, temperature=0, max_tokens=12,
+                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        texts[name] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == ["length"]
+        assert chunks[-1].usage.completion_tokens == 12
+        whole = _chat(server.url, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+        assert whole.choices[0].message.content == texts[name]
+    assert texts["disagg"] == texts["colocated"]
+
+
+def test_metrics_and_health(servers):
+    url = servers["disagg"].url
+    _chat(url, temperature=0, max_tokens=4)
+    assert httpx.get(f"{url}/health").status_code == 200
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    body = httpx.get(f"{url}/metrics").text
+    for name in ("baton:time_to_first_token_seconds_count", "baton:inter_token_latency_seconds_bucket",
+                 "baton:e2e_request_latency_seconds_count", "baton:num_requests_running",
+                 "baton:kv_cache_usage_perc", "baton:prefix_cache_queries_total",
+                 "baton:kv_transfer_bytes_total"):
+        assert name in body, name
+    ttft = [line for line in body.splitlines() if line.startswith("baton:time_to_first_token_seconds_count")]
+    assert float(ttft[0].split()[-1]) >= 1
+
+
+def test_bad_request_is_a_400_and_leaks_nothing(servers):
+    from openai import BadRequestError
+
+    url = servers["disagg"].url
+    with pytest.raises(BadRequestError):
+        _chat(url, temperature=-1)
+    with pytest.raises(BadRequestError):
+        _chat(url, max_tokens=100_000)
+
+
+def test_baton_serve_command_starts_and_stops_cleanly(tiny_model_dir, tmp_path):
+    port = 18000 + os.getpid() % 1000
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
+         "--port", str(port), "--prefill", "1", "--decode", "1", "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            if line.startswith("ready in"):
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
+        for _ in range(100):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        reply = _chat(f"http://127.0.0.1:{port}", temperature=0, max_tokens=5)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() or "")
