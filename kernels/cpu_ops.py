@@ -23,7 +23,9 @@ import torch
 
 log = logging.getLogger("baton.kernels")
 _SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math",
+# No -ffast-math: linking it into a shared object sets flush-to-zero for the whole process.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast",
           "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -1,4 +1,4 @@
-"""Ray for cluster tests: one local instance on loopback for the whole session, shut down after."""
+"""Ray for cluster tests: a local instance on loopback per test module, shut down after it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session(tmp_path_factory):
     import ray
 
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=256 << 20, log_to_driver=False)
     yield ray

@@ -43,3 +43,12 @@ def test_unsupported_dtype_falls_back_to_reference(kt) -> None:
     b = kt.make_paged_batch(3, [5, 17], [1, 1], 4, 2, 8, 16, torch.float16)
     got = cpu_ops.paged_decode_attention(*_args(b))
     kt.assert_close(got, kt.naive_paged_attention(b, None), torch.float16, "fp16 fallback")
+
+
+def test_loading_the_library_keeps_ieee_subnormals() -> None:
+    """A shared object built with -ffast-math would switch on flush-to-zero process-wide."""
+    import numpy as np
+
+    assert cpu_ops.library() is not None
+    tiny = np.float32(1e-38) * np.float32(1e-3)  # a subnormal result
+    assert tiny != 0.0

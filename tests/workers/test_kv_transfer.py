@@ -428,6 +428,8 @@ def test_ray_actors_gloo_and_object_store(monkeypatch: pytest.MonkeyPatch) -> No
     # actors unpickle _RayWorker by module name: put this file's folder and the repo on their path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here.parent), str(here.parents[2])]))
     temp_dir = tempfile.mkdtemp(prefix="rkv")  # short: Ray's socket paths live under it
+    if ray.is_initialized():  # another module's instance lacks this test's PYTHONPATH
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=256 << 20, _temp_dir=temp_dir)
     try:

@@ -1,0 +1,127 @@
+"""Served throughput through HTTP (Ray pools, KV shipping, SSE) vs the offline engine, one run.
+
+Starts a deployment in this process (workers are Ray actors), fires every request at once over
+HTTP with streaming, and counts output tokens/s from the first request sent to the last token
+received. Then runs the same requests through ``LLM.generate`` with the same engine settings.
+
+    .venv/bin/python benchmarks/serving_throughput.py --num-requests 32 --out benchmarks/results/serving_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def make_workload(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_range))],
+             rng.randint(*output_range)) for _ in range(n)]
+
+
+async def _fire(url: str, model: str, work: list[tuple[list[int], int]]) -> dict:
+    import httpx
+
+    async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        tokens = usage["completion_tokens"]
+        return tokens
+
+    limits = httpx.Limits(max_connections=len(work) + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, p, o) for p, o in work))
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": sum(counts), "output_tok_s": sum(counts) / elapsed}
+
+
+def run_served(mode: str, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict:
+    from cluster.config import ClusterConfig
+    from cluster.serve import Deployment
+    from router.server import ServerThread
+
+    pools = {"colocated": args.workers} if mode == "colocated" else {"prefill": 1, "decode": args.workers - 1}
+    config = ClusterConfig.model_validate({
+        "engine": {"dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_num_seqs": 256, "kv_cache_memory_gib": 2.0, "threads_per_worker": args.threads_per_worker},
+        "pools": pools, "ray": {"num_cpus": os.cpu_count()},
+    })
+    dep = Deployment(config).start()
+    server = ServerThread(dep.app).start()
+    try:
+        asyncio.run(_fire(server.url, dep.cluster.model_path.name, work[:2]))  # warm-up
+        return asyncio.run(_fire(server.url, dep.cluster.model_path.name, work))
+    finally:
+        server.stop()
+        dep.stop()
+
+
+def run_offline(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict:
+    import torch
+
+    from workers import LLM, SamplingParams
+
+    torch.set_num_threads(args.offline_threads)
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+              kv_cache_memory_gib=2.0)
+    llm.generate([w[0] for w in work[:2]], SamplingParams(max_tokens=4))
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-len", default="64:512")
+    ap.add_argument("--output-len", default="32:256")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workers", type=int, default=2, help="workers in the deployment (disaggregated: 1 prefill)")
+    ap.add_argument("--threads-per-worker", type=int, default=1)
+    ap.add_argument("--offline-threads", type=int, default=2)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    lo_p, hi_p = map(int, args.prompt_len.split(":"))
+    lo_o, hi_o = map(int, args.output_len.split(":"))
+    work = make_workload(args.num_requests, args.seed, (lo_p, hi_p), (lo_o, hi_o), 49152)
+    results: dict = {"offline": run_offline(args, work)}
+    print(f"offline engine ({args.offline_threads} threads): {results['offline']['output_tok_s']:.1f} tok/s")
+    for mode in args.modes.split(","):
+        results[mode] = run_served(mode, args, work)
+        results[f"{mode}_over_offline"] = results[mode]["output_tok_s"] / results["offline"]["output_tok_s"]
+        print(f"served {mode}: {results[mode]['output_tok_s']:.1f} tok/s "
+              f"({results[f'{mode}_over_offline']:.2f}x offline)")
+    results["config"] = {**vars(args), "date": date.today().isoformat(), "cores": os.cpu_count(),
+                         "machine": platform.machine(), "command": " ".join(sys.argv)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
