@@ -38,6 +38,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.workers: list[WorkerRef] = []
+        self.controller: Any = None
         self._started_ray = False
 
     def roles(self) -> list[str]:
@@ -72,6 +73,11 @@ class Cluster:
         self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]
         peers = {w.worker_id: w.handle for w in self.workers}
         ray.get([w.handle.set_peers.remote(peers) for w in self.workers])
+        from cluster.controller import GlobalController
+
+        self.controller = ray.remote(GlobalController).options(num_cpus=0, max_concurrency=8).remote(
+            self.config.server.max_queued_requests)
+        ray.get([self.controller.register.remote(w.worker_id, w.role, w.handle) for w in self.workers])
         log.info("workers ready: %s", ", ".join(w.worker_id for w in self.workers))
 
     @property
@@ -100,6 +106,9 @@ class Cluster:
                 pass
             ray.kill(w.handle)
         self.workers = []
+        if self.controller is not None:
+            ray.kill(self.controller)
+            self.controller = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -49,7 +49,7 @@ class PoolClient:
     """Routes requests over prefill/decode (or colocated) workers and streams their deltas back."""
 
     def __init__(self, workers: list[WorkerRef], limits: RequestLimits, max_queued: int = 512,
-                 policy: RoutingPolicy | None = None, on_stats: Any = None) -> None:
+                 policy: RoutingPolicy | None = None, on_stats: Any = None, controller: Any = None) -> None:
         self.workers = {w.worker_id: w for w in workers}
         self.limits = limits
         self.max_queued = max_queued
@@ -58,6 +58,8 @@ class PoolClient:
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one outbox per front
+        self.controller = controller  # GlobalController handle, or None to ask workers directly
+        self._overloaded = False
 
     @property
     def colocated(self) -> bool:
@@ -84,6 +86,8 @@ class PoolClient:
         self.limits.validate(prompt_token_ids, params)
         if len(self._streams) >= self.max_queued:
             raise OverloadedError(f"{len(self._streams)} requests in flight; the limit is {self.max_queued}")
+        if self._overloaded:
+            raise OverloadedError("the cluster's queues are full", retry_after_s=2.0)
         arrival = arrival_time or time.monotonic()
         first, decode = self._route(prompt_token_ids)
         stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()))
@@ -167,6 +171,8 @@ class PoolClient:
 
     def _mark_dead(self, w: WorkerRef, exc: BaseException) -> None:
         w.alive = False
+        if self.controller is not None:
+            self.controller.mark_dead.remote(w.worker_id)
         for rid, stream in list(self._streams.items()):
             if w.worker_id in stream.workers:
                 for other in stream.workers - {w.worker_id}:
@@ -177,18 +183,44 @@ class PoolClient:
 
     async def _stats_loop(self, interval_s: float) -> None:
         while True:
-            for w in list(self.workers.values()):
-                if not w.alive:
-                    if self.on_stats:
-                        self.on_stats(w, None)
-                    continue
-                try:
-                    stats = await asyncio.wait_for(w.handle.stats.remote(), timeout=max(interval_s * 5, 5))
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    continue
-                w.load.update(stats)
-                if self.on_stats:
-                    self.on_stats(w, stats)
+            if self.controller is not None:
+                await self._sync_from_controller(interval_s)
+            else:
+                await self._poll_stats(interval_s)
             await asyncio.sleep(interval_s)
+
+    async def _sync_from_controller(self, interval_s: float) -> None:
+        try:
+            snap = await asyncio.wait_for(self.controller.snapshot.remote(), timeout=max(interval_s * 5, 5))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # controller unreachable: keep the last view, routing still works
+            log.warning("controller snapshot failed: %r", exc)
+            return
+        self._overloaded = bool(snap["overloaded"])
+        for wid, member in snap["members"].items():
+            w = self.workers.get(wid)
+            if w is None:
+                continue
+            if w.alive and not member["alive"]:
+                self._mark_dead(w, RuntimeError("failed health checks"))
+            if member["stats"]:
+                w.load.update(member["stats"])
+            if self.on_stats:
+                self.on_stats(w, member["stats"] if w.alive else None)
+
+    async def _poll_stats(self, interval_s: float) -> None:
+        for w in list(self.workers.values()):
+            if not w.alive:
+                if self.on_stats:
+                    self.on_stats(w, None)
+                continue
+            try:
+                stats = await asyncio.wait_for(w.handle.stats.remote(), timeout=max(interval_s * 5, 5))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                continue
+            w.load.update(stats)
+            if self.on_stats:
+                self.on_stats(w, stats)

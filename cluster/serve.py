@@ -43,7 +43,8 @@ class Deployment:
             metrics.observe_worker(worker.role, worker.worker_id, snapshot, up=stats is not None)
 
         self.pool = PoolClient(self.cluster.workers, self.cluster.limits,
-                               max_queued=self.config.server.max_queued_requests, on_stats=on_stats)
+                               max_queued=self.config.server.max_queued_requests, on_stats=on_stats,
+                               controller=self.cluster.controller)
         tokenizer = Tokenizer.from_folder(self.cluster.model_path)
         self.app = build_app(MeteredClient(self.pool, self.metrics), tokenizer, model_name,
                              self.cluster.limits.max_model_len, ready=self.pool.ready,
