@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.baton-installed
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve generate test lint bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
+	$(BIN)/baton serve --config deploy/local.toml $(SERVE_ARGS)
+
+generate: $(STAMP)
 	$(BIN)/baton generate --threads 2 --prompt "$(or $(PROMPT),Write a haiku about the sea.)"
 
 test: $(STAMP)
@@ -28,7 +31,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check cluster workers router kernels tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput.json
+	$(BIN)/python benchmarks/serving_throughput.py --out benchmarks/results/serving_throughput.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

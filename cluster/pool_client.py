@@ -43,10 +43,19 @@ class _Stream:
     queue: asyncio.Queue
     remaining: int
     workers: set[str]
+    paused: bool = False
 
 
 class PoolClient:
-    """Routes requests over prefill/decode (or colocated) workers and streams their deltas back."""
+    """Routes requests over prefill/decode (or colocated) workers and streams their deltas back.
+
+    Backpressure: when a reader falls ``high_water`` deltas behind, its request is paused on the
+    workers (descheduled, KV kept) and resumed once the backlog drains below ``low_water``, so a
+    slow client costs memory for at most ``high_water`` deltas and no compute.
+    """
+
+    high_water = 64
+    low_water = 8
 
     def __init__(self, workers: list[WorkerRef], limits: RequestLimits, max_queued: int = 512,
                  policy: RoutingPolicy | None = None, on_stats: Any = None, controller: Any = None) -> None:
@@ -104,6 +113,9 @@ class PoolClient:
                 delta = await stream.queue.get()
                 if isinstance(delta, BaseException):
                     raise delta
+                if stream.paused and stream.queue.qsize() <= self.low_water:
+                    stream.paused = False
+                    self._each_worker(stream, "resume", request_id)
                 yield delta
                 if delta.finish_reason is not None:
                     stream.remaining -= 1
@@ -155,6 +167,15 @@ class PoolClient:
             stream = self._streams.get(d.request_id)
             if stream is not None:
                 stream.queue.put_nowait(d)
+                if not stream.paused and stream.queue.qsize() >= self.high_water:
+                    stream.paused = True
+                    self._each_worker(stream, "pause", d.request_id)
+
+    def _each_worker(self, stream: _Stream, method: str, request_id: str) -> None:
+        for wid in stream.workers:
+            w = self.workers.get(wid)
+            if w is not None and w.alive:
+                getattr(w.handle, method).remote(request_id)
 
     async def _poll_loop(self, w: WorkerRef) -> None:
         while True:

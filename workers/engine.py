@@ -59,6 +59,7 @@ class EngineCore(KVMigrationMixin):
         self._members: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # prefill done, KV held until shipped
         self.incoming: dict[str, Request] = {}  # blocks reserved, KV being received
+        self.paused: dict[str, Request] = {}  # descheduled for a slow reader, KV kept
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -102,6 +103,31 @@ class EngineCore(KVMigrationMixin):
                     req.fork_pending = 0
                     deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED, []))
         return deltas
+
+    def pause_request(self, request_id: str) -> int:
+        """Deschedule a client request's running samples (its reader is slow); KV stays allocated.
+
+        This frees compute, not memory (seed 000 §4.4); ``resume_request`` puts them back.
+        """
+        group = self.groups.get(request_id)
+        count = 0
+        for mid in group.member_ids if group else ():
+            req = self._members.get(mid)
+            if req is not None and req.status == RequestStatus.RUNNING and mid not in self.parked:
+                self.scheduler.detach(req)
+                self.paused[mid] = req
+                count += 1
+        return count
+
+    def resume_request(self, request_id: str) -> int:
+        group = self.groups.get(request_id)
+        count = 0
+        for mid in group.member_ids if group else ():
+            req = self.paused.pop(mid, None)
+            if req is not None:
+                self.scheduler.admit_running(req)
+                count += 1
+        return count
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting or running (parked KV does not count)."""
@@ -224,7 +250,8 @@ class EngineCore(KVMigrationMixin):
 
     def _finish(self, req: Request, status: RequestStatus, token_ids: list[int] | None) -> TokenDelta:
         """The one reclaim path: frees KV (idempotently) and forgets the request once all samples end."""
-        if self.parked.pop(req.request_id, None) or self.incoming.pop(req.request_id, None):
+        if (self.parked.pop(req.request_id, None) or self.incoming.pop(req.request_id, None)
+                or self.paused.pop(req.request_id, None)):
             self.block_manager.free(req.request_id)  # KV held outside the scheduler
             req.status = status
         else:

@@ -89,7 +89,7 @@ class Scheduler:
         return True
 
     def detach(self, request: Request) -> None:
-        """Remove a running request from scheduling but keep its KV blocks (KV about to be shipped)."""
+        """Remove a running request from scheduling but keep its KV blocks (to ship them, or paused)."""
         del self.requests[request.request_id]
         self.running.remove(request)
 

@@ -111,6 +111,13 @@ class Worker:
         self._cancelled[request_id] = now
         self.engine.submit(lambda e: e.abort_request(request_id))
 
+    def pause(self, request_id: str) -> None:
+        """Its reader is slow: stop generating for it (KV kept) until ``resume``."""
+        self.engine.submit(lambda e: e.pause_request(request_id))
+
+    def resume(self, request_id: str) -> None:
+        self.engine.submit(lambda e: e.resume_request(request_id))
+
     def finish_sample(self, request_id: str, index: int, stop: str) -> None:
         self.engine.submit(lambda e: e.finish_request(request_id, index, "stop", stop))
 
@@ -128,6 +135,7 @@ class Worker:
         out = dict(s.__dict__)
         out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent}}
         out["alive"] = self.engine.is_alive
+        out["num_paused"] = len(self.core.paused)
         return out
 
     def health(self) -> bool:

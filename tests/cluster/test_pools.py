@@ -168,3 +168,40 @@ def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir):
         assert stats["num_free_blocks"] == NUM_BLOCKS and stats["num_running"] == 0
     finally:
         cluster.stop()
+
+
+def test_slow_reader_pauses_generation_then_resumes_exactly(disagg, tiny_model_dir):
+    import time
+
+    import ray
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    prompt = llm.tokenizer.encode("Hello world")
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = llm.generate([prompt], params)[0].outputs[0].token_ids
+    decode = next(w for w in disagg.workers if w.role == "decode")
+
+    async def main():
+        pool = PoolClient(disagg.workers, disagg.limits)
+        pool.high_water, pool.low_water = 8, 2
+        await pool.start(stats_interval_s=0.2)
+        toks: list[int] = []
+        paused_seen = False
+        try:
+            agen = pool.generate("slow", prompt, params)
+            toks += (await agen.__anext__()).token_ids
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not paused_seen:  # the reader stalls
+                await asyncio.sleep(0.1)
+                paused_seen = (await decode.handle.stats.remote())["num_paused"] == 1
+            async for d in agen:
+                toks += d.token_ids
+        finally:
+            await pool.stop()
+        return toks, paused_seen
+
+    toks, paused_seen = asyncio.run(main())
+    assert paused_seen
+    assert toks == expected
+    stats = ray.get(decode.handle.stats.remote())
+    assert stats["num_paused"] == 0 and stats["num_free_blocks"] == NUM_BLOCKS

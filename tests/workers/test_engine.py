@@ -187,3 +187,30 @@ def test_context_limit_finishes_with_length(tiny_model_dir):
                 max_model_len=24)
     out = small.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_pause_keeps_kv_and_resume_continues_exactly(llm):
+    """Backpressure: a paused request gets no steps but keeps its blocks; output is unchanged."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Hello world! How are you today?")
+    expected = llm.generate([prompt], _greedy(max_tokens=10))[0].outputs[0].token_ids
+    engine.add_request("slow", prompt, _greedy(max_tokens=10))
+    engine.add_request("other", prompt[:5], _greedy(max_tokens=10))
+    got: list[int] = []
+    for _ in range(3):
+        got += [t for d in engine.step() if d.request_id == "slow" for t in d.token_ids]
+    held = NUM_BLOCKS - engine.block_manager.num_free_blocks
+    assert engine.pause_request("slow") == 1
+    for _ in range(4):
+        assert all(d.request_id != "slow" for d in engine.step())
+    assert NUM_BLOCKS - engine.block_manager.num_free_blocks >= held - 2  # "other" may have finished
+    assert engine.resume_request("slow") == 1
+    while engine.has_unfinished_requests():
+        got += [t for d in engine.step() if d.request_id == "slow" for t in d.token_ids]
+    assert got == expected
+    engine.add_request("gone", prompt, _greedy(max_tokens=10))
+    engine.step()
+    engine.pause_request("gone")
+    engine.abort_request("gone")
+    _assert_idle(llm)
+    assert not engine.paused
