@@ -53,6 +53,7 @@ class ServerSection(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     max_queued_requests: int = Field(512, ge=1, description="reject with 429 beyond this many waiting")
     model_name: str | None = None
+    num_frontends: int = Field(1, ge=1, description="HTTP front replicas (Ray actors) sharing the port")
 
 
 class RaySection(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -57,27 +58,35 @@ class Deployment:
 
 
 def serve(config: ClusterConfig) -> int:
-    """Blocking: serve until SIGINT/SIGTERM, then drain open streams and stop every actor."""
-    from router.server import run_server
+    """Blocking: serve until SIGINT/SIGTERM, then drain open streams and stop every actor.
+
+    The HTTP fronts are Ray actors (``server.num_frontends`` of them share the port); this
+    process only starts things, waits for a signal, and tears down.
+    """
+    from cluster.http_actor import start_fronts, stop_fronts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    dep = Deployment(config)
-    # SIGTERM (Kubernetes, systemd) gets the same graceful path as Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(config)
+    fronts: list[Any] = []
     try:
-        dep.start()
+        cluster.start()
         host, port = config.server.host, config.server.port
+        model_name = config.server.model_name or cluster.model_path.name
+        fronts = start_fronts(cluster, config.server.num_frontends, host, port, model_name,
+                              config.server.max_queued_requests)
         mode = (f"{config.pools.colocated} colocated" if config.colocated
                 else f"{config.pools.prefill} prefill + {config.pools.decode} decode")
-        print(f"Baton serving {dep.cluster.model_path.name} ({mode} workers) at http://{host}:{port}/v1",
-              flush=True)
+        print(f"Baton serving {model_name} ({mode} workers, {len(fronts)} HTTP front"
+              f"{'s' if len(fronts) > 1 else ''}) at http://{host}:{port}/v1", flush=True)
         print(f"ready in {time.monotonic() - started:.1f}s; Ctrl-C to stop", flush=True)
-        try:
-            run_server(dep.app, host=host, port=port)
-        except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+        while not stop.wait(1.0):
             pass
     finally:
-        print("shutting down workers", file=sys.stderr, flush=True)
-        dep.stop()
+        print("draining HTTP fronts and shutting down workers", file=sys.stderr, flush=True)
+        stop_fronts(fronts)
+        cluster.stop()
     return 0

@@ -20,10 +20,15 @@ from starlette.responses import StreamingResponse
 LOOPBACK = "127.0.0.1"
 
 
-def bind_socket(host: str = LOOPBACK, port: int = 0) -> socket.socket:
-    """A listening-ready TCP socket on ``host:port`` (0: a free port)."""
+def bind_socket(host: str = LOOPBACK, port: int = 0, reuse_port: bool = False) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (0: a free port).
+
+    ``reuse_port`` lets several front replicas bind one port; the kernel spreads connections.
+    """
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:
@@ -56,9 +61,9 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, host: str = LOOPBACK, port: int = 0, log_level: str = "warning",
-                 graceful_timeout_s: float = 5.0) -> None:
+                 graceful_timeout_s: float = 5.0, reuse_port: bool = False) -> None:
         self.host = host
-        self._sock = bind_socket(host, port)
+        self._sock = bind_socket(host, port, reuse_port)
         self.port: int = self._sock.getsockname()[1]
         self._server = uvicorn.Server(_config(app, host, log_level, graceful_timeout_s))
         self._thread: threading.Thread | None = None

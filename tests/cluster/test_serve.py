@@ -122,3 +122,31 @@ def test_baton_serve_command_starts_and_stops_cleanly(tiny_model_dir, tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() or "")
+
+
+def test_two_front_actors_share_one_port(ray_session, tiny_model_dir):
+    """HTTP fronts are Ray actors; two of them bind one port and both serve the same pools."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.http_actor import start_fronts, stop_fronts
+    from cluster.launcher import Cluster
+    from router.server import bind_socket
+
+    probe = bind_socket("127.0.0.1", 0)
+    port = probe.getsockname()[1]
+    probe.close()
+    cluster = Cluster(_config(tiny_model_dir, prefill=1, decode=1))
+    cluster.start()
+    fronts = []
+    try:
+        fronts = start_fronts(cluster, 2, "127.0.0.1", port, "tiny", 64)
+        urls = set(ray_session.get([f.url.remote() for f in fronts]))
+        assert urls == {f"http://127.0.0.1:{port}"}
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda _: _chat(f"http://127.0.0.1:{port}", temperature=0, max_tokens=6,
+                                                    extra_body={"ignore_eos": True}), range(8)))
+        assert len({r.choices[0].message.content for r in replies}) == 1
+        assert all(r.usage.completion_tokens == 6 for r in replies)
+    finally:
+        stop_fronts(fronts)
+        cluster.stop()

@@ -1,0 +1,77 @@
+"""The HTTP front as a Ray actor: one or more replicas share a port (SO_REUSEPORT) and route to the
+same worker pools, each with its own outbox on every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+from cluster.metered_client import MeteredClient
+from cluster.metrics import Metrics
+from cluster.pool_client import PoolClient, WorkerRef
+from workers.validation import RequestLimits
+
+log = logging.getLogger("baton.http")
+
+
+class HTTPFront:
+    """Builds a pool client, metrics and the OpenAI app, and serves it on ``host:port``."""
+
+    def __init__(self, workers: list[dict[str, Any]], limits: dict[str, int], model_path: str,
+                 model_name: str, host: str, port: int, max_queued: int, controller: Any = None,
+                 reuse_port: bool = False) -> None:
+        from router.api import build_app
+        from router.server import ServerThread
+        from workers.tokenizer import Tokenizer
+
+        refs = [WorkerRef(w["worker_id"], w["role"], w["handle"], w["info"]) for w in workers]
+        self.metrics = Metrics(model_name)
+        metrics = self.metrics
+
+        def on_stats(worker: Any, stats: Any) -> None:
+            snapshot = SimpleNamespace(**stats) if stats is not None else None
+            metrics.observe_worker(worker.role, worker.worker_id, snapshot, up=stats is not None)
+
+        self.pool = PoolClient(refs, RequestLimits(**limits), max_queued=max_queued, on_stats=on_stats,
+                               controller=controller)
+        tokenizer = Tokenizer.from_folder(model_path)
+        app = build_app(MeteredClient(self.pool, metrics), tokenizer, model_name, limits["max_model_len"],
+                        ready=self.pool.ready, metrics_registry=metrics.registry,
+                        on_startup=[self.pool.start], on_shutdown=[self.pool.stop])
+        self.server = ServerThread(app, host=host, port=port, log_level="warning", reuse_port=reuse_port)
+        self.server.start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        """Stop accepting, give open streams the graceful timeout, then stop polling workers."""
+        self.server.stop()
+
+
+def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str, max_queued: int) -> list[Any]:
+    """Start ``count`` HTTPFront actors on ``host:port`` and wait until each accepts connections."""
+    import ray
+
+    workers = [{"worker_id": w.worker_id, "role": w.role, "handle": w.handle, "info": w.info}
+               for w in cluster.workers]
+    limits = cluster.limits.__dict__.copy()
+    actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=4)
+    fronts = [actor.remote(workers, limits, str(cluster.model_path), model_name, host, port, max_queued,
+                           cluster.controller, count > 1) for _ in range(count)]
+    ray.get([f.url.remote() for f in fronts])
+    return fronts
+
+
+def stop_fronts(fronts: list[Any], timeout_s: float = 30.0) -> None:
+    import ray
+
+    try:
+        ray.get([f.stop.remote() for f in fronts], timeout=timeout_s)
+    except Exception as exc:  # a front that died or hangs is killed below anyway
+        log.warning("front did not stop cleanly: %r", exc)
+    for f in fronts:
+        ray.kill(f)
+
