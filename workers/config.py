@@ -20,6 +20,7 @@ class SchedulerConfig:
     max_prefill_chunk: int = 1 << 30  # per-request cap within one tick (long_prefill_token_threshold)
     policy: str = "fcfs"
     aging_seconds: float = 10.0
+    preemption_mode: str = "recompute"  # or "swap" (needs EngineConfig.swap_space_gib > 0)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
@@ -28,6 +29,8 @@ class SchedulerConfig:
         _require(self.max_prefill_chunk >= 1, "max_prefill_chunk", ">= 1", self.max_prefill_chunk)
         _require(self.policy in ("fcfs", "priority"), "policy", "'fcfs' or 'priority'", self.policy)
         _require(self.aging_seconds > 0, "aging_seconds", "> 0", self.aging_seconds)
+        _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "'recompute' or 'swap'",
+                 self.preemption_mode)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 2.0
+    swap_space_gib: float = 0.0  # host memory for preemption by swap
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
@@ -54,6 +58,9 @@ class EngineConfig:
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1",
                  self.num_kv_blocks)
         _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0", self.kv_cache_memory_gib)
+        _require(self.swap_space_gib >= 0, "swap_space_gib", ">= 0", self.swap_space_gib)
+        _require(self.scheduler.preemption_mode != "swap" or self.swap_space_gib > 0, "swap_space_gib",
+                 "> 0 when scheduler.preemption_mode is 'swap'", self.swap_space_gib)
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2",
                  self.max_model_len)
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",

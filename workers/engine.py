@@ -18,13 +18,14 @@ from workers.config import EngineConfig
 from workers.errors import InvalidRequestError
 from workers.migration import KVMigrationMixin
 from workers.model.llama import LlamaForCausalLM
-from workers.model_runner import ModelRunner, sampling_requests
+from workers.model_runner import ModelRunner, kv_cache_block_bytes, sampling_requests
 from workers.outputs import TokenDelta
 from workers.prefix_hash import CacheNamespace
 from workers.request import Request, RequestStatus
 from workers.sampler import Sampler, SamplingRow
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
+from workers.swap import HostBlockPool
 from workers.validation import RequestLimits
 
 
@@ -52,14 +53,23 @@ class EngineCore(KVMigrationMixin):
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           namespace=namespace)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
+                                  num_host_blocks=self._host_blocks(model, config))
+        host_pool = HostBlockPool(self.runner.host_cache.shape[2]) if self.runner.host_cache is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, host_pool)
         self.sampler = Sampler()
         self.groups: dict[str, _Group] = {}
         self._members: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # prefill done, KV held until shipped
         self.incoming: dict[str, Request] = {}  # blocks reserved, KV being received
         self.paused: dict[str, Request] = {}  # descheduled for a slow reader, KV kept
+
+    @staticmethod
+    def _host_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
+        if config.scheduler.preemption_mode != "swap":
+            return 0
+        dtype = model.dtype
+        return int(config.swap_space_gib * (1 << 30)) // kv_cache_block_bytes(model, config.block_size, dtype)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -146,6 +156,7 @@ class EngineCore(KVMigrationMixin):
         """Schedule, run one forward, sample, apply stop conditions. Returns this step's deltas."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.runner.apply_swaps(out)  # a tick may only swap out; the copies cannot wait
             return []
         sampling = [s.request for s in sampling_requests(out)]
         logits = self.runner.execute(out, self.block_manager.block_table)

@@ -27,7 +27,7 @@ class ModelRunner:
     """Owns the model and its paged KV cache; one ``execute`` call is one forward."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", num_host_blocks: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -39,6 +39,9 @@ class ModelRunner:
              torch.zeros(shape, dtype=model.dtype, device=self.device))
             for _ in model.layers
         ]
+        # Swap space: [layers, K/V, host blocks, ...] in host memory (pinned when the cache is on a GPU).
+        self.host_cache = torch.zeros((len(model.layers), 2, num_host_blocks) + shape[1:], dtype=model.dtype,
+                                      pin_memory=self.device.type == "cuda") if num_host_blocks else None
 
     def apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks in every layer before they are written."""
@@ -50,6 +53,21 @@ class ModelRunner:
             backend.copy_blocks(k_cache, src, dst)
             backend.copy_blocks(v_cache, src, dst)
 
+    def apply_swaps(self, out: SchedulerOutput) -> None:
+        """Swap-outs first (their device blocks may be reused by this very tick), then swap-ins."""
+        if out.swap_out:
+            dev = torch.tensor([d for d, _ in out.swap_out], device=self.device)
+            host = torch.tensor([h for _, h in out.swap_out])
+            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+                self.host_cache[layer, 0].index_copy_(0, host, backend.gather_kv_blocks(k_cache, dev).cpu())
+                self.host_cache[layer, 1].index_copy_(0, host, backend.gather_kv_blocks(v_cache, dev).cpu())
+        if out.swap_in:
+            host = torch.tensor([h for h, _ in out.swap_in])
+            dev = torch.tensor([d for _, d in out.swap_in], device=self.device)
+            for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+                backend.scatter_kv_blocks(k_cache, dev, self.host_cache[layer, 0].index_select(0, host).to(self.device))
+                backend.scatter_kv_blocks(v_cache, dev, self.host_cache[layer, 1].index_select(0, host).to(self.device))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_table: Callable[[str], list[int]]) -> torch.Tensor:
         """One forward over ``out``; returns fp32 logits ``[num_sampling_rows, vocab]``.
@@ -57,6 +75,7 @@ class ModelRunner:
         Rows follow ``out.scheduled`` order, keeping only entries whose ``samples`` is true.
         Must be called before the scheduler advances ``num_computed_tokens``.
         """
+        self.apply_swaps(out)
         self.apply_block_copies(out.block_copies)
         input_ids, positions, meta, sample_idx = self._prepare(out, block_table)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)

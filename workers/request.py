@@ -63,6 +63,7 @@ class Request:
     generator: torch.Generator | None = None
     fork_pending: int = 0  # siblings still to fork off this request when its prompt is done
     prefill_only: bool = False  # disaggregated prefill: park after the first token for KV shipping
+    swapped_blocks: list[int] = field(default_factory=list)  # host blocks holding its KV while swapped out
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from workers.block_manager import BlockManager
 from workers.config import SchedulerConfig
 from workers.request import Request, RequestStatus
+from workers.swap import HostBlockPool
 from workers.waiting_queue import WaitingQueue, make_waiting_queue
 
 
@@ -40,6 +41,8 @@ class SchedulerOutput:
     prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -61,9 +64,11 @@ class Scheduler:
     preempt is the waiting-queue policy and the running order (priority, then arrival).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 host_pool: HostBlockPool | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.host_pool = host_pool  # swap space; None: every preemption recomputes
         self.waiting: WaitingQueue = make_waiting_queue(config.policy, config.aging_seconds)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -86,6 +91,9 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.block_manager.free(request.request_id)
+        if request.swapped_blocks and self.host_pool is not None:
+            self.host_pool.free(request.swapped_blocks)
+            request.swapped_blocks = []
         return True
 
     def detach(self, request: Request) -> None:
@@ -125,7 +133,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, cfg.max_prefill_chunk)
             while not bm.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new):
                 victim = self._pick_victim(index)
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
@@ -150,14 +158,22 @@ class Scheduler:
         bm = self.block_manager
         while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.waiting):
             req = self.waiting.peek(now)
-            cached = bm.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
+            if req.swapped_blocks:  # its computed KV waits in host memory: restore, don't recompute
+                cached = req.num_computed_tokens
+            else:
+                cached = bm.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
             remaining = req.num_tokens - cached
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget, cfg.max_prefill_chunk)
             if not bm.allocate(req.request_id, req.all_token_ids, cached, num_new,
-                               num_cached_tokens=cached, salt=req.cache_salt):
+                               num_cached_tokens=0 if req.swapped_blocks else cached, salt=req.cache_salt):
                 break
+            if req.swapped_blocks:
+                table = bm.block_table(req.request_id)
+                out.swap_in.extend(zip(req.swapped_blocks, table))
+                self.host_pool.free(req.swapped_blocks)  # reused no earlier than the next tick
+                req.swapped_blocks = []
             self.waiting.remove(req)
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
@@ -176,11 +192,22 @@ class Scheduler:
             return candidates[-1]
         return max(candidates, key=lambda r: (r.priority, r.arrival_time))
 
-    def _preempt(self, req: Request) -> None:
-        """Preempt by recompute: free every block, reset the counter, requeue at the front."""
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free every device block and requeue at the front. With swap space, the computed KV is
+        copied to host blocks first (``out.swap_out``, applied before this tick's forward) and the
+        counter kept; otherwise (or when host space is short) it is recomputed later."""
         self.running.remove(req)
+        bs = self.block_manager.block_size
+        host = None
+        if self.config.preemption_mode == "swap" and self.host_pool is not None and req.num_computed_tokens:
+            table = self.block_manager.block_table(req.request_id)
+            host = self.host_pool.allocate((req.num_computed_tokens + bs - 1) // bs)
+            if host is not None:
+                out.swap_out.extend(zip(table, host))
+                req.swapped_blocks = host
         self.block_manager.free(req.request_id)
-        req.num_computed_tokens = 0
+        if host is None:
+            req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

@@ -123,3 +123,26 @@ def test_parity_default_model_fp32(default_model_dir):
         for prompt, out in zip(prompts, outs):
             assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_parity_under_preemption_by_swap(tiny_model_dir, expected):
+    """Swap mode: victims' KV goes to host memory and comes back; nothing is recomputed."""
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=14,
+              enable_prefix_caching=False, preemption_mode="swap", swap_space_gib=0.01)
+    engine = llm.engine
+    swaps = {"out": 0, "in": 0}
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        swaps["out"] += len(out.swap_out)
+        swaps["in"] += len(out.swap_in)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    outs = llm.generate(PROMPTS, _greedy())
+    assert engine.scheduler.num_preemptions > 0 and swaps["out"] > 0 and swaps["in"] == swaps["out"]
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == expected[prompt], prompt
+    assert engine.block_manager.num_free_blocks == 14
+    assert engine.scheduler.host_pool.num_free == engine.scheduler.host_pool.num_blocks

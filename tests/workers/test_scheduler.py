@@ -10,6 +10,7 @@ from workers.config import SchedulerConfig
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
+from workers.swap import HostBlockPool
 from workers.waiting_queue import PriorityAgingQueue
 
 
@@ -105,12 +106,14 @@ def test_priority_aging_lets_old_low_priority_request_through():
     max_seqs=st.integers(1, 6),
     policy=st.sampled_from(["fcfs", "priority"]),
     abort_every=st.integers(0, 7),
+    swap_blocks=st.sampled_from([0, 3, 16]),
 )
 def test_random_workloads_respect_limits_and_never_leak(prompts, num_blocks, budget, max_seqs, policy,
-                                                         abort_every):
+                                                         abort_every, swap_blocks):
     bm = BlockManager(num_blocks, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                      policy=policy), bm)
+    host = HostBlockPool(swap_blocks) if swap_blocks else None
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy,
+                                      preemption_mode="swap" if host else "recompute"), bm, host)
     reqs = []
     for i, (plen, max_tokens, prio) in enumerate(prompts):
         if (plen + max_tokens + 3) // 4 > num_blocks:  # the engine rejects what can never fit
@@ -125,6 +128,7 @@ def test_random_workloads_respect_limits_and_never_leak(prompts, num_blocks, bud
         out = sched.schedule()
         assert out.num_batched_tokens <= budget
         assert len(sched.running) <= max_seqs
+        assert len({h for _, h in out.swap_out}) == len(out.swap_out)
         for s in out.scheduled:
             r = s.request
             assert s.num_new_tokens >= 1
@@ -135,5 +139,6 @@ def test_random_workloads_respect_limits_and_never_leak(prompts, num_blocks, bud
             sched.finish(sched.running[0], RequestStatus.FINISHED_ABORTED)
     assert all(r.status.finished for r in reqs)
     assert bm.num_free_blocks == num_blocks
+    assert host is None or host.num_free == swap_blocks
     for r in reqs:
         assert sched.finish(r, RequestStatus.FINISHED_ABORTED) is False  # reclaim is idempotent
