@@ -136,6 +136,7 @@ class Worker:
         out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent}}
         out["alive"] = self.engine.is_alive
         out["num_paused"] = len(self.core.paused)
+        out["pair_groups"] = len(self._pairs)
         return out
 
     def health(self) -> bool:

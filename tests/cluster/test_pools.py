@@ -69,6 +69,7 @@ def test_disaggregated_greedy_equals_offline_engine(disagg, tiny_model_dir):
     stats = _worker_stats(disagg)
     assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values())
     assert stats["decode-0"]["extra"]["kv_transfer"]["bytes"] > 0
+    assert stats["prefill-0"]["pair_groups"] == 1  # the gloo pair, created on first use
 
 
 def test_n_samples_and_seeds_across_the_hop(disagg, tiny_model_dir):
@@ -205,3 +206,21 @@ def test_slow_reader_pauses_generation_then_resumes_exactly(disagg, tiny_model_d
     assert toks == expected
     stats = ray.get(decode.handle.stats.remote())
     assert stats["num_paused"] == 0 and stats["num_free_blocks"] == NUM_BLOCKS
+
+
+def test_object_store_transport(ray_session, tiny_model_dir):
+    config = _config(tiny_model_dir, prefill=1, decode=1).with_overrides(**{"kv_transfer.transport": "object_store"})
+    cluster = Cluster(config)
+    cluster.start()
+    try:
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+        prompts = [llm.tokenizer.encode(t) for t in ("Hello world! How are you today?", "你好")]
+        params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+        results = _run(cluster, [(f"o{i}", p, params) for i, p in enumerate(prompts)])
+        for (toks, _), out in zip(results, llm.generate(prompts, params)):
+            assert toks[0] == out.outputs[0].token_ids
+        stats = _worker_stats(cluster)
+        assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values())
+        assert stats["prefill-0"]["pair_groups"] == 0 and stats["decode-0"]["extra"]["kv_transfer"]["bytes"] > 0
+    finally:
+        cluster.stop()
