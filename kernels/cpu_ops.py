@@ -1,10 +1,11 @@
 """Native CPU kernels (C + OpenMP, loaded with ctypes), built once per machine with the system
-compiler. The torch reference stays the ground truth; when no compiler is available the
-backend silently keeps using it.
+compiler. The torch reference stays the ground truth; when no compiler is available, or an input
+is outside what a kernel handles (dtype, layout, shape), the call goes to the reference.
 
 Decode attention dominates a CPU decode step at batch sizes that matter (the KV read is several
 times the weights): the reference gathers every sequence's blocks into a padded copy, this kernel
-reads each K/V row once, in place, and skips the padding.
+reads each K/V row once, in place, and skips the padding. The element-wise ops (RMSNorm, RoPE,
+SiLU-and-mul) are each one pass over the data instead of a chain of small torch ops.
 """
 
 from __future__ import annotations
@@ -21,12 +22,22 @@ from pathlib import Path
 
 import torch
 
+from kernels import reference
+
 log = logging.getLogger("baton.kernels")
-_SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
+_SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "elementwise.c"))
 # No -ffast-math: linking it into a shared object sets flush-to-zero for the whole process.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
           "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast",
           "-shared", "-fPIC"]
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {  # name: (restype, argtypes)
+    "paged_decode_bf16": (None, [_P] * 6 + [_I] * 6 + [_F, _I, _I]),
+    "paged_decode_f32": (None, [_P] * 6 + [_I] * 6 + [_F, _I, _I]),
+    "baton_rms_norm": (_I, [_P] * 5 + [_I64, _I, _I, _I, _F, _I]),
+    "baton_rope_neox": (_I, [_P] * 6 + [_I64, _I, _I, _I, _I64, _I64, _I64, _I, _I]),
+    "baton_silu_and_mul": (None, [_P, _P, _I64, _I, _I, _I]),
+}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -42,20 +53,21 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler found")
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"baton_cpu_{key}.so"
+    digest = hashlib.sha256(" ".join([cc, *_FLAGS]).encode())
+    for src in _SOURCES:
+        digest.update(src.name.encode() + b"\0" + src.read_bytes())
+    target = _cache_dir() / f"baton_cpu_{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            subprocess.run([cc, *_FLAGS, "-o", str(out), str(_SOURCE), "-lm"], check=True,
+            subprocess.run([cc, *_FLAGS, "-o", str(out), *map(str, _SOURCES), "-lm"], check=True,
                            capture_output=True, text=True)
             os.replace(out, target)  # atomic: concurrent builders each install a complete file
     lib = ctypes.CDLL(str(target))
-    for name in ("paged_decode_bf16", "paged_decode_f32"):
+    for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
@@ -80,6 +92,7 @@ def available() -> bool:
 
 
 _KERNELS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+_DT = {torch.float32: 0, torch.bfloat16: 1}  # dtype codes of elementwise.c
 
 
 def supports(k_cache: torch.Tensor) -> bool:
@@ -99,15 +112,13 @@ def paged_decode_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_decode_attention``; fp32 accumulation."""
-    from kernels import reference
-
     num_seqs, hq, d = query.shape
     hkv = k_cache.shape[2]
     if not supports(k_cache) or hq % hkv or hq // hkv > 16 or num_seqs == 0:
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                 sliding_window, max_seq_len, num_splits)
     lib = library()
-    q = query.float().contiguous()
+    q = query.to(k_cache.dtype).float().contiguous()  # q rounded to the cache dtype, as the reference
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty((num_seqs, hq, d), dtype=torch.float32)
@@ -116,3 +127,106 @@ def paged_decode_attention(
         lens.data_ptr(), out.data_ptr(), num_seqs, hq, hkv, d, k_cache.shape[1], tables.shape[1],
         float(scale), int(sliding_window or 0), torch.get_num_threads())
     return out.to(query.dtype)
+
+
+def _elementwise_lib(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library when every tensor is a non-empty contiguous fp32/bf16 CPU tensor, else None.
+    (These wrappers run hundreds of times per forward: checks use the cheapest tensor queries.)"""
+    for t in tensors:
+        if not t.is_cpu or t.dtype not in _DT or not t.is_contiguous() or t.numel() == 0:
+            return None
+    return library()
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """Number of rows of ``x [..., H]`` for a ``weight [H]``; 0 when the shapes do not fit."""
+    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        return 0
+    return x.numel() // weight.shape[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as ``kernels.reference.rms_norm``."""
+    lib = _elementwise_lib(x, weight)
+    rows = _rows(x, weight) if lib is not None else 0
+    if rows:
+        out = torch.empty_like(x)
+        if not lib.baton_rms_norm(x.data_ptr(), None, out.data_ptr(), None, weight.data_ptr(), rows,
+                                  weight.shape[0], _DT[x.dtype], _DT[weight.dtype], eps,
+                                  torch.get_num_threads()):
+            return out
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``kernels.reference.fused_add_rms_norm``: ``x + residual`` is rounded to
+    the input dtype (the returned residual) before it is normalised."""
+    lib = _elementwise_lib(x, residual, weight)
+    ok = lib is not None and x.dtype == residual.dtype and x.shape == residual.shape
+    rows = _rows(x, weight) if ok else 0
+    if rows:
+        out, new_residual = torch.empty_like(x), torch.empty_like(x)
+        if not lib.baton_rms_norm(x.data_ptr(), residual.data_ptr(), out.data_ptr(), new_residual.data_ptr(),
+                                  weight.data_ptr(), rows, weight.shape[0], _DT[x.dtype], _DT[weight.dtype],
+                                  eps, torch.get_num_threads()):
+            return out, new_residual
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def _rope_shape(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                table: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(T, Hq, Hkv, D)`` when the native RoPE handles these inputs: ``[T, H, D]`` q/k of one
+    dtype whose heads are contiguous (rows may be strided: views into a fused QKV output), a table
+    covering the full head dim, 1-D integer positions."""
+    if query.dim() != 3 or key.dim() != 3 or positions.dim() != 1 or table.dim() != 2:
+        return None
+    t, hq, d = query.shape
+    _, hkv, _ = key.shape
+    if (key.shape[0] != t or key.shape[2] != d or table.shape[1] != d or d % 2 or positions.shape[0] != t
+            or query.dtype != key.dtype or table.dtype != torch.float32 or not positions.is_cpu
+            or positions.dtype not in (torch.int64, torch.int32) or not query.is_cpu or not key.is_cpu
+            or query.stride(2) != 1 or key.stride(2) != 1 or (hq > 1 and query.stride(1) != d)
+            or (hkv > 1 and key.stride(1) != d)):
+        return None
+    return t, hq, hkv, d
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``kernels.reference.rotary_embedding``; Neox layout over the full head
+    dim natively, the GPT-J layout and partial rotary dims through the reference."""
+    lib = _elementwise_lib(cos_sin_cache) if is_neox and query.dtype in _DT else None
+    shape = _rope_shape(positions, query, key, cos_sin_cache) if lib is not None else None
+    if shape is not None and shape[0]:
+        t, hq, hkv, d = shape
+        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else (
+            positions.to(torch.int64).contiguous())
+        q_out = torch.empty((t, hq, d), dtype=query.dtype)
+        k_out = torch.empty((t, hkv, d), dtype=key.dtype)
+        # nonzero: a position outside the table, left to the reference to raise its indexing error
+        if not lib.baton_rope_neox(pos.data_ptr(), query.data_ptr(), key.data_ptr(), q_out.data_ptr(),
+                                   k_out.data_ptr(), cos_sin_cache.data_ptr(), t, hq, hkv, d, query.stride(0),
+                                   key.stride(0), cos_sin_cache.shape[0], _DT[query.dtype],
+                                   torch.get_num_threads()):
+            return q_out, k_out
+    return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``kernels.reference.silu_and_mul``; bf16 rounds ``silu(a)`` before the
+    multiply, as the reference's two bf16 ops do."""
+    lib = _elementwise_lib(x)
+    if lib is None or x.dim() == 0 or x.shape[-1] % 2:
+        return reference.silu_and_mul(x)
+    inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype)
+    lib.baton_silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, _DT[x.dtype],
+                           torch.get_num_threads())
+    return out

@@ -7,13 +7,25 @@ and invalid block-table padding (the kernel must never read past a sequence's le
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kernels import backend, cpu_ops
 from kernels import reference as ref
 
+_OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler to build the native kernels")
+
+
+@pytest.fixture
+def native_only(monkeypatch) -> None:
+    """Fail the test if ``cpu_ops`` hands the call to the reference instead of running natively."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("fell back to the reference")
+
+    monkeypatch.setattr(cpu_ops, "reference", SimpleNamespace(**{op: refuse for op in _OPS}))
 
 
 def _args(b) -> tuple:
@@ -52,3 +64,180 @@ def test_loading_the_library_keeps_ieee_subnormals() -> None:
     assert cpu_ops.library() is not None
     tiny = np.float32(1e-38) * np.float32(1e-3)  # a subnormal result
     assert tiny != 0.0
+
+
+# --- decode attention: long contexts and the vector kernel's specialisations -------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim,window", [(64, None), (128, None), (64, 700)])
+def test_decode_long_contexts(kt, native_only, dtype, block_size: int, head_dim: int,
+                              window: int | None) -> None:
+    """Three 2000-token sequences (one ending mid-block): many blocks, many prefetches ahead."""
+    b = kt.make_paged_batch(7, [2000, 1999, 2000 - block_size - 3], [1, 1, 1], 9, 3, head_dim,
+                            block_size, dtype)
+    got = cpu_ops.paged_decode_attention(*_args(b), window)
+    assert got.shape == b.query.shape and got.dtype == dtype
+    kt.assert_close(got, kt.naive_paged_attention(b, window), dtype, "vs float64")
+    kt.assert_close(got, ref.paged_decode_attention(*_args(b), window), dtype, "vs reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 256])  # generic-D vector path, or portable
+@pytest.mark.parametrize("ratio", [1, 5, 16])  # query heads per KV head: 1..4 per tile and 4 full tiles
+def test_decode_head_dims_and_group_sizes(kt, native_only, dtype, head_dim: int, ratio: int) -> None:
+    b = kt.make_paged_batch(head_dim + ratio, [1, 37, 130], [1, 1, 1], 2 * ratio, 2, head_dim, 8, dtype)
+    got = cpu_ops.paged_decode_attention(*_args(b))
+    kt.assert_close(got, kt.naive_paged_attention(b, None), dtype, "vs float64")
+
+
+def test_decode_rounds_an_fp32_query_to_a_bf16_cache_like_the_reference(kt) -> None:
+    b = kt.make_paged_batch(5, [40, 3], [1, 1], 6, 2, 64, 16, torch.bfloat16)
+    q32 = b.query.float() + 1e-3 * torch.randn(b.query.shape, generator=torch.Generator().manual_seed(0))
+    args = (q32, *_args(b)[1:])
+    got = cpu_ops.paged_decode_attention(*args)
+    assert got.dtype == torch.float32
+    kt.assert_close(got, ref.paged_decode_attention(*args), torch.bfloat16, "vs reference")
+
+
+# --- fused element-wise ops ---------------------------------------------------------------------
+
+_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+_TOKENS = pytest.mark.parametrize("tokens", [1, 3, 64, 257])
+
+
+@_DTYPES
+@_TOKENS
+@pytest.mark.parametrize("hidden", [64, 576, 100])  # 100: a vector body and a scalar tail
+def test_rms_norm(kt, native_only, dtype, tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * hidden)
+    x = (torch.randn(tokens, hidden, generator=gen) * 3).to(dtype)
+    weight = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    with kt.poisoned():
+        got = cpu_ops.rms_norm(x, weight, 1e-6)
+    want = ref.rms_norm(x, weight, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    kt.assert_close(got, kt.naive_rms_norm(x, weight, 1e-6), dtype, "vs float64")
+    kt.assert_close(got, want, dtype, "vs reference")
+
+
+@_DTYPES
+@_TOKENS
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_fused_add_rms_norm(kt, native_only, dtype, tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = (4 * torch.randn(tokens, hidden, generator=gen)).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    x0, r0 = x.clone(), residual.clone()
+    with kt.poisoned():
+        out, new_residual = cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)  # pure, like the reference
+    want_out, want_res = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert out.dtype == want_out.dtype == new_residual.dtype and out.shape == want_out.shape
+    assert torch.equal(new_residual, want_res)  # x + residual rounded once to the dtype: exact
+    # The norm is of the rounded residual (one rounding per comparison on top of it).
+    kt.assert_close(out, kt.naive_rms_norm(want_res, weight, 1e-5), dtype, "norm vs float64")
+    kt.assert_close(out, want_out, dtype, "norm vs reference")
+
+
+def test_bf16_rounding_of_special_values_matches_torch(native_only) -> None:
+    """Ties to even, overflow to inf, NaN and subnormal sums: bit for bit what torch's add gives."""
+    x = torch.tensor([1.0, 1.0, 3e38, float("inf"), float("nan"), 1e-39, -2e-39, 0.0] * 4).to(torch.bfloat16)
+    r = torch.tensor([2**-8, 3 * 2**-8, 3e38, float("-inf"), 1.0, 1e-39, 1e-40, -0.0] * 4).to(torch.bfloat16)
+    ones = torch.ones(32, dtype=torch.bfloat16)
+    _, got = cpu_ops.fused_add_rms_norm(x.view(1, -1), r.view(1, -1), ones, 1e-6)
+    want = (x + r).view(1, -1)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+
+
+@_DTYPES
+@_TOKENS
+@pytest.mark.parametrize("head_dim,ratio", [(64, 3), (128, 1), (64, 1)])
+def test_rotary_embedding(kt, native_only, dtype, tokens: int, head_dim: int, ratio: int) -> None:
+    gen = torch.Generator().manual_seed(tokens + head_dim + ratio)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    table = ref.build_cos_sin_cache(head_dim, 4096, inv_freq)
+    positions = torch.randint(0, 4001, (tokens,), generator=gen)
+    hkv = 2
+    hq = ratio * hkv
+    # q and k as strided views of one fused qkv projection, the way the model produces them.
+    qkv = torch.randn(tokens, hq + 2 * hkv, head_dim, generator=gen).to(dtype)
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+    with kt.poisoned():
+        got_q, got_k = cpu_ops.rotary_embedding(positions, q, k, table, True)
+    want_q, want_k = ref.rotary_embedding(positions, q, k, table, True)
+    for got, want, x, name in ((got_q, want_q, q, "query"), (got_k, want_k, k, "key")):
+        assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+        kt.assert_close(got, kt.naive_rotary(positions, x, table, True), dtype, f"{name} vs float64")
+        kt.assert_close(got, want, dtype, f"{name} vs reference")
+
+
+@_DTYPES
+@_TOKENS
+@pytest.mark.parametrize("inter", [37, 64, 1536])
+def test_silu_and_mul(kt, native_only, dtype, tokens: int, inter: int) -> None:
+    x = (torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
+    with kt.poisoned():
+        got = cpu_ops.silu_and_mul(x)
+    want = ref.silu_and_mul(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    kt.assert_close(got, kt.naive_silu_and_mul(x), dtype, "vs float64")
+    kt.assert_close(got, want, dtype, "vs reference")
+
+
+def test_elementwise_keep_leading_dims(kt, native_only) -> None:
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w = torch.ones(128, dtype=torch.bfloat16)
+    kt.assert_close(cpu_ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), torch.bfloat16, "rms 3-d")
+    assert cpu_ops.silu_and_mul(x).shape == (2, 3, 64)
+    kt.assert_close(cpu_ops.silu_and_mul(x), ref.silu_and_mul(x), torch.bfloat16, "silu 3-d")
+
+
+def test_mixed_weight_dtype_is_native(kt, native_only) -> None:
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    w = torch.randn(64, generator=torch.Generator().manual_seed(3))  # fp32 weight, bf16 activations
+    got = cpu_ops.rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16
+    kt.assert_close(got, ref.rms_norm(x, w, 1e-6), torch.bfloat16, "fp32 weight")
+
+
+def test_unhandled_inputs_fall_back_and_match(kt) -> None:
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(6, 160, generator=gen)
+    w = torch.randn(48, generator=gen)
+    view = base[:, :48]  # rows not adjacent: non-contiguous
+    kt.assert_close(cpu_ops.rms_norm(view, w, 1e-6), kt.naive_rms_norm(view, w, 1e-6), torch.float32, "view")
+    kt.assert_close(cpu_ops.silu_and_mul(base[:, :74]), kt.naive_silu_and_mul(base[:, :74]), torch.float32,
+                    "silu view")
+    half = base[:, :48].half()
+    kt.assert_close(cpu_ops.rms_norm(half, w.half(), 1e-6), ref.rms_norm(half, w.half(), 1e-6), torch.float16,
+                    "fp16")
+    res32 = base[:, 48:96].contiguous()
+    for got, want in zip(cpu_ops.fused_add_rms_norm(half.contiguous(), res32, w, 1e-6),
+                         ref.fused_add_rms_norm(half.contiguous(), res32, w, 1e-6)):
+        assert got.dtype == want.dtype  # promoted like the reference
+        kt.assert_close(got, want, torch.float16, "mixed dtypes")
+    # RoPE: GPT-J layout, a partial rotary dim, and heads that are not contiguous.
+    table = ref.build_cos_sin_cache(32, 64, 1.0 / (10000 ** (torch.arange(0, 32, 2).double() / 32)))
+    pos = torch.randint(0, 64, (6,), generator=gen)
+    q, k = base[:, :128].reshape(6, 4, 32), base[:, 128:].reshape(6, 1, 32)
+    partial = (base[:, :96].reshape(6, 2, 48), base[:, 96:144].reshape(6, 1, 48))
+    strided_dim = base[:, :128].reshape(6, 32, 4).transpose(1, 2)
+    for args in ((pos, q, k, table, False), (pos, *partial, table, True), (pos, strided_dim, k, table, True)):
+        for got, want in zip(cpu_ops.rotary_embedding(*args), ref.rotary_embedding(*args)):
+            kt.assert_close(got, want, torch.float32, "rope fallback")
+
+
+def test_rotary_position_past_the_table_raises_like_the_reference() -> None:
+    table = torch.zeros(16, 64)
+    q, k = torch.zeros(2, 3, 64), torch.zeros(2, 1, 64)
+    with pytest.raises((IndexError, RuntimeError)):
+        cpu_ops.rotary_embedding(torch.tensor([3, 16]), q, k, table)
+
+
+def test_backend_picks_native_elementwise_on_cpu(monkeypatch) -> None:
+    monkeypatch.delenv("BATON_KERNEL_BACKEND", raising=False)
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
+        assert backend.select(op, torch.device("cpu")) is getattr(cpu_ops, op)

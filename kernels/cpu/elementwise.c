@@ -1,0 +1,261 @@
+/* Fused element-wise ops of a decoder layer (RMSNorm, residual add + RMSNorm, Neox RoPE,
+ * SiLU-and-mul): one pass over each row instead of a chain of torch ops, fp32 math inside,
+ * bf16 (dt = 1) or fp32 (dt = 0) tensors outside. Rounding follows kernels/reference.py: a
+ * result is rounded to the tensor dtype where the reference materialises a tensor of that dtype
+ * (the residual sum; silu before the multiply), nowhere else. bf16 rounding is round-to-nearest
+ * -even with NaN -> 0x7FC0, as torch does it, and keeps subnormals.
+ *
+ * Each row function has an AVX-512 body for 16 elements at a time and a scalar loop that does
+ * the tail, or the whole row on machines without AVX-512. Rows are split over OpenMP threads
+ * only when there is enough work to pay for waking them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define PAR_MIN_ELEMS 24576 /* below this a parallel region costs more than the work it splits */
+
+INLINE float ld(const void *p, int64_t i, int dt) {
+    if (!dt)
+        return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE uint16_t to_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+INLINE float round_dt(float f, int dt) {
+    if (!dt)
+        return f;
+    const uint32_t bits = (uint32_t)to_bf16_bits(f) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE void st(void *p, int64_t i, float f, int dt) {
+    if (dt)
+        ((uint16_t *)p)[i] = to_bf16_bits(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+#if defined(__AVX512F__)
+INLINE __m512 vld(const void *p, int64_t i, int dt) {
+    if (!dt)
+        return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* bf16 bits (in the low 16 of each 32-bit lane) of x, rounded like to_bf16_bits. */
+INLINE __m512i vbf16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+/* x rounded to bf16, 16 values packed. vcvtneps2bf16 rounds the same way but reads subnormal
+ * inputs as zero and keeps NaN payloads: lanes that are rare in practice, redone the slow way. */
+INLINE __m256i vbf16_pack(__m512 x) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) == 0, 1))  /* 0xA1: NaN or subnormal */
+        return r;
+#endif
+    return _mm512_cvtepi32_epi16(vbf16_bits(x));
+}
+
+INLINE __m512 vround_dt(__m512 x, int dt) {
+    return dt ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(vbf16_pack(x)), 16)) : x;
+}
+
+INLINE void vst(void *p, int64_t i, __m512 x, int dt) {
+    if (dt)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), vbf16_pack(x));
+    else
+        _mm512_storeu_ps((float *)p + i, x);
+}
+
+/* vst that also returns the value as stored (rounded), converting once. */
+INLINE __m512 vst_rounded(void *p, int64_t i, __m512 x, int dt) {
+    if (!dt) {
+        _mm512_storeu_ps((float *)p + i, x);
+        return x;
+    }
+    const __m256i b = vbf16_pack(x);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), b);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* e^x, < 1e-7 relative on [-87.3, 88.7] (clamped outside); twin of exp16 in paged_attention.c. */
+INLINE __m512 vexp(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682e-6f), r);
+    static const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    for (int i = 0; i < 7; i++)
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* One row of (residual add +) RMSNorm. With r, y = round(x + r) goes to rout and is normalised. */
+INLINE void rms_row(const void *x, const void *r, void *out, void *rout, const float *w, int H,
+                    float eps, int dt) {
+    float ss = 0.f;
+    int i = 0;
+    const void *y = r ? rout : x;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= H; i += 16) {
+        __m512 v = vld(x, i, dt);
+        if (r)
+            v = vst_rounded(rout, i, _mm512_add_ps(v, vld(r, i, dt)), dt);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < H; i++) {
+        float v = ld(x, i, dt);
+        if (r) {
+            v = round_dt(v + ld(r, i, dt), dt);
+            st(rout, i, v, dt);
+        }
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= H; i += 16)
+        vst(out, i, _mm512_mul_ps(_mm512_mul_ps(vld(y, i, dt), _mm512_set1_ps(inv)), _mm512_loadu_ps(w + i)),
+            dt);
+#endif
+    for (; i < H; i++)
+        st(out, i, ld(y, i, dt) * inv * w[i], dt);
+}
+
+/* out = rms_norm(x) or (rms_norm(x + r), x + r into rout); x, r, out, rout are [rows, H]
+ * contiguous of dtype dt; w [H] of dtype w_dt. Returns 0, or -1 when out of memory. */
+int baton_rms_norm(const void *x, const void *r, void *out, void *rout, const void *w, int64_t rows,
+                   int H, int dt, int w_dt, float eps, int nthreads) {
+    float stack_w[1024];
+    float *wf = H <= 1024 ? stack_w : malloc(sizeof(float) * (size_t)H);
+    if (!wf)
+        return -1;
+    for (int i = 0; i < H; i++)
+        wf[i] = ld(w, i, w_dt);
+    const size_t esz = dt ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * H >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < rows; t++) {
+        const size_t off = (size_t)t * H * esz;
+        if (dt)
+            rms_row((const char *)x + off, r ? (const char *)r + off : NULL, (char *)out + off,
+                    r ? (char *)rout + off : NULL, wf, H, eps, 1);
+        else
+            rms_row((const char *)x + off, r ? (const char *)r + off : NULL, (char *)out + off,
+                    r ? (char *)rout + off : NULL, wf, H, eps, 0);
+    }
+    if (wf != stack_w)
+        free(wf);
+    return 0;
+}
+
+/* Neox rotation of one head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) over the two halves. */
+INLINE void rope_head(const void *x, void *o, const float *cs, int half, int dt) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= half; i += 16) {
+        const __m512 c = _mm512_loadu_ps(cs + i), s = _mm512_loadu_ps(cs + half + i);
+        const __m512 x1 = vld(x, i, dt), x2 = vld(x, half + i, dt);
+        vst(o, i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), dt);
+        vst(o, half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), dt);
+    }
+#endif
+    for (; i < half; i++) {
+        const float c = cs[i], s = cs[half + i], x1 = ld(x, i, dt), x2 = ld(x, half + i, dt);
+        st(o, i, x1 * c - x2 * s, dt);
+        st(o, half + i, x2 * c + x1 * s, dt);
+    }
+}
+
+INLINE void rope_heads(const char *x, char *o, const float *cs, int H, int D, int dt) {
+    const size_t hb = (size_t)D * (dt ? 2 : 4);
+    for (int h = 0; h < H; h++)
+        rope_head(x + h * hb, o + h * hb, cs, D / 2, dt);
+}
+
+/* Neox RoPE over the full head dim: q [T, Hq, D] and k [T, Hkv, D] with heads contiguous and
+ * rows q_stride / k_stride elements apart -> contiguous qo, ko. cs is the fp32 [max_pos, D]
+ * cos|sin table. Returns -1 (writing nothing) if a position is outside [0, max_pos). */
+int baton_rope_neox(const int64_t *pos, const void *q, const void *k, void *qo, void *ko,
+                    const float *cs, int64_t T, int Hq, int Hkv, int D, int64_t q_stride,
+                    int64_t k_stride, int64_t max_pos, int dt, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos)
+            return -1;
+    const size_t esz = dt ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * (Hq + Hkv) * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cs + pos[t] * D;
+        const char *qi = (const char *)q + t * q_stride * esz, *ki = (const char *)k + t * k_stride * esz;
+        char *qd = (char *)qo + t * Hq * D * esz, *kd = (char *)ko + t * Hkv * D * esz;
+        if (dt) {
+            rope_heads(qi, qd, c, Hq, D, 1);
+            rope_heads(ki, kd, c, Hkv, D, 1);
+        } else {
+            rope_heads(qi, qd, c, Hq, D, 0);
+            rope_heads(ki, kd, c, Hkv, D, 0);
+        }
+    }
+    return 0;
+}
+
+/* out[t, i] = round(round(silu(a)) * b) with a = x[t, i], b = x[t, I + i] (one rounding per
+ * tensor the reference materialises; no-ops in fp32). */
+INLINE void silu_row(const void *x, void *o, int I, int dt) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= I; i += 16) {
+        const __m512 a = vld(x, i, dt);
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        const __m512 s = vround_dt(_mm512_div_ps(a, _mm512_add_ps(one, e)), dt);
+        vst(o, i, _mm512_mul_ps(s, vld(x, I + i, dt)), dt);
+    }
+#endif
+    for (; i < I; i++) {
+        const float a = ld(x, i, dt);
+        st(o, i, round_dt(a / (1.f + expf(-a)), dt) * ld(x, I + i, dt), dt);
+    }
+}
+
+/* x [rows, 2I] contiguous -> out [rows, I]. */
+void baton_silu_and_mul(const void *x, void *out, int64_t rows, int I, int dt, int nthreads) {
+    const size_t esz = dt ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * I >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < rows; t++) {
+        const char *xi = (const char *)x + (size_t)t * 2 * I * esz;
+        char *oi = (char *)out + (size_t)t * I * esz;
+        if (dt)
+            silu_row(xi, oi, I, 1);
+        else
+            silu_row(xi, oi, I, 0);
+    }
+}
