@@ -59,10 +59,15 @@ def run_served(mode: str, args: argparse.Namespace, work: list[tuple[list[int], 
     from cluster.serve import Deployment
     from router.server import ServerThread
 
-    pools = {"colocated": args.workers} if mode == "colocated" else {"prefill": 1, "decode": args.workers - 1}
+    # Same cores either way: one colocated worker uses all the offline engine's threads; the
+    # disaggregated pools split them across 1 prefill + (workers - 1) decode workers.
+    if mode == "colocated":
+        pools, threads = {"colocated": 1}, args.offline_threads
+    else:
+        pools, threads = {"prefill": 1, "decode": args.workers - 1}, args.threads_per_worker
     config = ClusterConfig.model_validate({
         "engine": {"dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "max_num_seqs": 256, "kv_cache_memory_gib": 2.0, "threads_per_worker": args.threads_per_worker},
+                   "max_num_seqs": 256, "kv_cache_memory_gib": 2.0, "threads_per_worker": threads},
         "pools": pools, "ray": {"num_cpus": os.cpu_count()},
     })
     dep = Deployment(config).start()
