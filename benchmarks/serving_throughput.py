@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--output-len", default="32:256")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workers", type=int, default=2, help="workers in the deployment (disaggregated: 1 prefill)")
-    ap.add_argument("--threads-per-worker", type=int, default=1)
+    ap.add_argument("--threads-per-worker", type=int, default=2)
     ap.add_argument("--offline-threads", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--modes", default="disaggregated,colocated")

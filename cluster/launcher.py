@@ -56,7 +56,9 @@ class Cluster:
         eng = self.config.engine
         engine_kwargs = eng.model_dump(exclude={"threads_per_worker"})
         threads = eng.threads_per_worker
-        env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+        # Passive OpenMP waits: workers share cores, and a spinning idle pool steals them from the busy one.
+        env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "GLOO_SOCKET_IFNAME": "lo",
+               "TOKENIZERS_PARALLELISM": "false"}
         actor_cls = ray.remote(Worker)
         counters: dict[str, int] = {}
         pending = []
