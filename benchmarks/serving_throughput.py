@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import platform
-import random
 import sys
 import time
 from datetime import date
@@ -22,12 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def make_workload(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_range))],
-             rng.randint(*output_range)) for _ in range(n)]
+from benchmarks.engine_throughput import make_workload  # noqa: E402
 
 
 async def _fire(url: str, model: str, work: list[tuple[list[int], int]]) -> dict:

@@ -28,6 +28,14 @@ def default_model_dir() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def real_tok(default_model_dir: Path):
+    """The default model's tokenizer (SmolLM2-135M-Instruct)."""
+    from workers.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(default_model_dir)
+
+
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Plain transformers forward loop with its own KV cache: the parity reference."""
     ids = torch.tensor([prompt_ids])

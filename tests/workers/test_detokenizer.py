@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from tests.workers.test_tokenizer import write_bpe_model
 from workers.detokenizer import IncrementalDetokenizer
-from workers.errors import ModelLoadError
 from workers.tokenizer import Tokenizer
 
 TEXTS = [
@@ -157,16 +156,6 @@ def test_big_chunk_ending_mid_character_releases_the_rest(tok: Tokenizer) -> Non
 # --- the real default model's tokenizer, when it can be converted here ---
 
 
-@pytest.fixture(scope="module")
-def real_tok() -> Tokenizer:
-    try:
-        from workers.default_model import default_model_path
-    except ImportError as e:
-        pytest.skip(f"workers.default_model not available: {e}")
-    try:
-        return Tokenizer.from_folder(default_model_path())
-    except ModelLoadError as e:
-        pytest.skip(f"default model unavailable: {e}")
 
 
 @pytest.mark.slow

@@ -246,16 +246,6 @@ def test_broken_template_is_a_load_error(model_copy: Path) -> None:
 # --- the real default model (SmolLM2-135M-Instruct), when it can be converted here ---
 
 
-@pytest.fixture(scope="session")
-def real_tok() -> Tokenizer:
-    try:
-        from workers.default_model import default_model_path
-    except ImportError as e:
-        pytest.skip(f"workers.default_model not available: {e}")
-    try:
-        return Tokenizer.from_folder(default_model_path())
-    except ModelLoadError as e:
-        pytest.skip(f"default model unavailable: {e}")
 
 
 @pytest.mark.slow
