@@ -44,6 +44,7 @@ class _Stream:
     remaining: int
     workers: set[str]
     paused: bool = False
+    flow_seq: int = 0  # orders pause/resume calls, which a threaded actor may run out of order
 
 
 class PoolClient:
@@ -114,8 +115,7 @@ class PoolClient:
                 if isinstance(delta, BaseException):
                     raise delta
                 if stream.paused and stream.queue.qsize() <= self.low_water:
-                    stream.paused = False
-                    self._each_worker(stream, "resume", request_id)
+                    self._set_paused(stream, request_id, False)
                 yield delta
                 if delta.finish_reason is not None:
                     stream.remaining -= 1
@@ -168,14 +168,15 @@ class PoolClient:
             if stream is not None:
                 stream.queue.put_nowait(d)
                 if not stream.paused and stream.queue.qsize() >= self.high_water:
-                    stream.paused = True
-                    self._each_worker(stream, "pause", d.request_id)
+                    self._set_paused(stream, d.request_id, True)
 
-    def _each_worker(self, stream: _Stream, method: str, request_id: str) -> None:
+    def _set_paused(self, stream: _Stream, request_id: str, paused: bool) -> None:
+        stream.paused = paused
+        stream.flow_seq += 1
         for wid in stream.workers:
             w = self.workers.get(wid)
             if w is not None and w.alive:
-                getattr(w.handle, method).remote(request_id)
+                w.handle.set_paused.remote(request_id, paused, stream.flow_seq)
 
     async def _poll_loop(self, w: WorkerRef) -> None:
         while True:

@@ -63,6 +63,7 @@ class Worker:
         self._locks_guard = threading.Lock()
         self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
         self._cancelled: dict[str, float] = {}  # ids aborted before their KV arrived (decode role)
+        self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
         self._shipper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-ship")
         self.transfer_log: list[float] = []
 
@@ -82,6 +83,8 @@ class Worker:
                     priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
                     decode_worker: str | None = None, front_id: str = "default") -> None:
         """Queue a request (validated by the front). A prefill worker needs ``decode_worker``."""
+        if request_id in self._cancelled:  # its abort overtook it (threaded actors reorder calls)
+            return
         sampling = params_from_dict(params)
         self._register(request_id, front_id, sampling.n)
         prefill_only = self.role == "prefill"
@@ -105,18 +108,30 @@ class Worker:
     def abort(self, request_id: str) -> None:
         with self._out_cv:
             self._owner.pop(request_id, None)
+            self._decode_target.pop(request_id, None)
+            self._flow.pop(request_id, None)
         now = time.monotonic()
         if len(self._cancelled) > 4096:  # tombstones only matter while a transfer may be in flight
             self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < 600}
         self._cancelled[request_id] = now
         self.engine.submit(lambda e: e.abort_request(request_id))
 
-    def pause(self, request_id: str) -> None:
-        """Its reader is slow: stop generating for it (KV kept) until ``resume``."""
-        self.engine.submit(lambda e: e.pause_request(request_id))
+    def set_paused(self, request_id: str, paused: bool, seq: int) -> None:
+        """Backpressure from the front: pause (descheduled, KV kept) or resume a request.
 
-    def resume(self, request_id: str) -> None:
-        self.engine.submit(lambda e: e.resume_request(request_id))
+        Calls may run out of order on this threaded actor, so each carries the front's sequence
+        number and a stale one is ignored; a request whose KV is still in flight is paused on arrival.
+        """
+        def apply(engine: Any) -> None:
+            if request_id not in self._owner:  # finished or shipped away: nothing to pace here
+                return
+            last = self._flow.get(request_id)
+            if last is not None and last[0] >= seq:
+                return
+            self._flow[request_id] = (seq, paused)
+            (engine.pause_request if paused else engine.resume_request)(request_id)
+
+        self.engine.submit(apply)
 
     def finish_sample(self, request_id: str, index: int, stop: str) -> None:
         self.engine.submit(lambda e: e.finish_request(request_id, index, "stop", stop))
@@ -137,6 +152,7 @@ class Worker:
         out["alive"] = self.engine.is_alive
         out["num_paused"] = len(self.core.paused)
         out["pair_groups"] = len(self._pairs)
+        out["tracked_requests"] = len(self._owner)
         return out
 
     def health(self) -> bool:
@@ -161,10 +177,19 @@ class Worker:
                     continue  # aborted by its front: nobody listens
                 self._outboxes.setdefault(owner[0], []).append(d)
                 if d.finish_reason is not None:
-                    owner[1] -= 1
-                    if owner[1] <= 0:
-                        del self._owner[d.request_id]
+                    self._sample_left(d.request_id)
             self._out_cv.notify_all()
+
+    def _sample_left(self, request_id: str) -> None:
+        """One sample finished here or moved to a decode worker; forget the request after the last.
+        Caller holds ``_out_cv``."""
+        owner = self._owner.get(request_id)
+        if owner is not None:
+            owner[1] -= 1
+            if owner[1] <= 0:
+                del self._owner[request_id]
+                self._decode_target.pop(request_id, None)
+                self._flow.pop(request_id, None)
 
     def _on_step(self, deltas: list[TokenDelta]) -> None:
         """Engine thread: queue outputs; start shipping the KV of requests that just parked."""
@@ -200,6 +225,8 @@ class Worker:
                                               per_layer=len(blocks) >= 16)
                     _ray_get(ref, self.kv_timeout_s)
             self.transfer_log.append(time.perf_counter() - started)
+            with self._out_cv:
+                self._sample_left(request_id)
         except Exception as exc:  # any failure: free both sides, end the sample as aborted
             log.warning("KV shipping of %s to %s failed: %r", member_id, target, exc)
             if peer is not None:
@@ -299,7 +326,13 @@ class Worker:
         if request_id in self._cancelled:  # aborted while the KV was on its way
             self.engine.submit(lambda e: e.cancel_remote(member_id))
             return
-        self.engine.submit(lambda e: e.admit_remote(member_id))
+
+        def admit(engine: Any) -> None:
+            engine.admit_remote(member_id)
+            if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
+                engine.pause_request(request_id)
+
+        self.engine.submit(admit)
 
 
 def _ray_get(ref: Any, timeout: float) -> Any:
