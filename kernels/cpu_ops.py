@@ -54,7 +54,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found")
     digest = hashlib.sha256(" ".join([cc, *_FLAGS]).encode())
-    for src in _SOURCES:
+    for src in (*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))):  # headers change the build too
         digest.update(src.name.encode() + b"\0" + src.read_bytes())
     target = _cache_dir() / f"baton_cpu_{digest.hexdigest()[:16]}.so"
     if not target.exists():

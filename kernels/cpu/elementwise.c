@@ -101,19 +101,7 @@ INLINE __m512 vst_rounded(void *p, int64_t i, __m512 x, int dt) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-/* e^x, < 1e-7 relative on [-87.3, 88.7] (clamped outside); twin of exp16 in paged_attention.c. */
-INLINE __m512 vexp(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682e-6f), r);
-    static const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    for (int i = 0; i < 7; i++)
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
-    return _mm512_scalef_ps(p, n);
-}
+#include "vexp.h"
 #endif
 
 /* One row of (residual add +) RMSNorm. With r, y = round(x + r) goes to rout and is normalised. */
@@ -235,7 +223,7 @@ INLINE void silu_row(const void *x, void *o, int I, int dt) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (; i + 16 <= I; i += 16) {
         const __m512 a = vld(x, i, dt);
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
         const __m512 s = vround_dt(_mm512_div_ps(a, _mm512_add_ps(one, e)), dt);
         vst(o, i, _mm512_mul_ps(s, vld(x, I + i, dt)), dt);
     }
