@@ -196,30 +196,32 @@ class Worker:
         self._emit(deltas)
         for d in deltas:
             if d.kv_ready:
+                # Read the parked request here, on the engine thread, so the shipper need not wait
+                # for a step boundary to get it.
                 member = self._member_id(d.request_id, d.index)
-                self._shipper.submit(self._ship, d.request_id, member)
+                meta, table = self.core.migration_meta(member)
+                self._shipper.submit(self._ship, d.request_id, member, meta, table)
 
     def _member_id(self, request_id: str, index: int) -> str:
         return request_id if request_id in self.core._members else f"{request_id}#{index}"
 
     # ------------------------------------------------------------------ prefill side
-    def _ship(self, request_id: str, member_id: str) -> None:
+    def _ship(self, request_id: str, member_id: str, meta: MigrationMeta, table: list[int]) -> None:
         target = self._decode_target.get(request_id)
         peer = self.peers.get(target) if target else None
         started = time.perf_counter()
         try:
             if peer is None:
                 raise KVTransferError(f"decode worker {target!r} is not known")
-            meta, table = self.engine.call(lambda e: e.migration_meta(member_id))
-            needed = self._reserve_on_peer(peer, meta)
+            needed, dst = self._reserve_on_peer(peer, meta)
             blocks = [table[i] for i in needed]
             if self.kv_transport == "object_store":
                 payload = self.transfer.pack_blocks(blocks)
-                _ray_get(peer.receive_kv_packed.remote(member_id, needed, payload), self.kv_timeout_s)
+                _ray_get(peer.receive_kv_packed.remote(member_id, dst, payload), self.kv_timeout_s)
             else:
                 with self._pair_lock(target):
                     group = self._pair(target, peer)
-                    ref = peer.receive_kv.remote(self.worker_id, member_id, needed)
+                    ref = peer.receive_kv.remote(self.worker_id, member_id, dst)
                     # per-layer sends overlap the next gather with the wire; worth it past a few MB
                     self.transfer.send_blocks(group, blocks, transfer_id=transfer_key(member_id),
                                               per_layer=len(blocks) >= 16)
@@ -238,16 +240,17 @@ class Worker:
         finally:
             self.engine.submit(lambda e: e.release_parked(member_id))
 
-    def _reserve_on_peer(self, peer: Any, meta: MigrationMeta) -> list[int]:
-        """Ask the decode worker for blocks, retrying while it is full, until the timeout."""
+    def _reserve_on_peer(self, peer: Any, meta: MigrationMeta) -> tuple[list[int], list[int]]:
+        """Ask the decode worker for blocks, retrying while it is full, until the timeout.
+        Returns (logical block indices to send, the decode worker's physical blocks for them)."""
         deadline = time.monotonic() + self.kv_timeout_s
         delay = 0.01
         while True:
             owner = self._owner.get(meta.request_id)
             front = owner[0] if owner else "default"
-            needed = _ray_get(peer.reserve_incoming.remote(meta.to_dict(), front), self.kv_timeout_s)
-            if needed is not None:
-                return needed
+            reserved = _ray_get(peer.reserve_incoming.remote(meta.to_dict(), front), self.kv_timeout_s)
+            if reserved is not None:
+                return reserved
             if time.monotonic() > deadline:
                 raise OutOfBlocksError(f"decode worker had no room for {meta.member_id} within "
                                        f"{self.kv_timeout_s}s")
@@ -279,14 +282,21 @@ class Worker:
             group.close()
 
     # ------------------------------------------------------------------ decode side
-    def reserve_incoming(self, meta: dict[str, Any], front_id: str = "default") -> list[int] | None:
-        """Allocate blocks for an arriving request; None when full now (the sender retries)."""
+    def reserve_incoming(self, meta: dict[str, Any], front_id: str = "default"
+                         ) -> tuple[list[int], list[int]] | None:
+        """Allocate blocks for an arriving request: (logical indices it needs, their physical ids),
+        or None when full now (the sender retries)."""
         m = MigrationMeta(**meta)
         if m.request_id in self._cancelled:
             raise KVTransferError(f"request {m.request_id} was aborted")
         self._register(m.request_id, front_id, int(m.params.get("n", 1)))
+        def reserve(engine: Any) -> tuple[list[int], list[int]]:
+            needed = engine.reserve_remote(m)
+            table = engine.incoming_block_table(m.member_id)
+            return needed, [table[i] for i in needed]
+
         try:
-            return self.engine.call(lambda e: e.reserve_remote(m))
+            return self.engine.call(reserve)
         except OutOfBlocksError:
             return None
 
@@ -300,21 +310,19 @@ class Worker:
         self._pairs[peer_id] = group
         return True
 
-    def receive_kv(self, peer_id: str, member_id: str, needed: list[int]) -> int:
-        """Receive the blocks the sender is pushing now, then start decoding the request."""
-        table = self.engine.call(lambda e: e.incoming_block_table(member_id))
+    def receive_kv(self, peer_id: str, member_id: str, blocks: list[int]) -> int:
+        """Receive the blocks the sender is pushing now into ``blocks`` (reserved by
+        ``reserve_incoming``), then start decoding the request."""
         try:
-            nbytes = self.transfer.recv_blocks(self._pairs[peer_id], [table[i] for i in needed],
-                                               transfer_id=transfer_key(member_id))
+            nbytes = self.transfer.recv_blocks(self._pairs[peer_id], blocks, transfer_id=transfer_key(member_id))
         except Exception:
             self.engine.submit(lambda e: e.cancel_remote(member_id))
             raise
         self._admit(member_id)
         return nbytes
 
-    def receive_kv_packed(self, member_id: str, needed: list[int], payload: Any) -> int:
-        table = self.engine.call(lambda e: e.incoming_block_table(member_id))
-        self.transfer.unpack_blocks([table[i] for i in needed], payload)
+    def receive_kv_packed(self, member_id: str, blocks: list[int], payload: Any) -> int:
+        self.transfer.unpack_blocks(blocks, payload)
         self._admit(member_id)
         return int(getattr(payload, "nbytes", 0))
 
