@@ -62,8 +62,16 @@ def select(op: str, device: torch.device) -> Callable[..., Any]:
 
 
 def _dispatcher(op: str) -> Callable[..., Any]:
+    # These run ~10 times per layer per engine step: remember the choice per device type and
+    # override value rather than re-deciding on every call.
+    chosen: dict[tuple[str, str], Callable[..., Any]] = {}
+
     def call(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return select(op, first.device)(first, *args, **kwargs)
+        key = (first.device.type, os.environ.get("BATON_KERNEL_BACKEND", ""))
+        impl = chosen.get(key)
+        if impl is None:
+            impl = chosen[key] = select(op, first.device)
+        return impl(first, *args, **kwargs)
 
     call.__name__ = op
     call.__doc__ = getattr(reference, op).__doc__

@@ -167,7 +167,7 @@ class EngineCore(KVMigrationMixin):
         rows, row_reqs, logits = self._expand_forks(sampling, logits)
         result = self.sampler(logits, rows)
         token_ids = result.token_ids.tolist()
-        logprobs = result.logprobs.tolist()
+        logprobs = result.logprobs.tolist() if any(r.params.logprobs is not None for r in row_reqs) else []
         top_ids = top_vals = None
         if result.top_logprob_ids is not None:
             top_ids = result.top_logprob_ids.tolist()

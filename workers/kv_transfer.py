@@ -31,7 +31,6 @@ from workers.pair_group import (  # noqa: F401  (re-exported: the worker imports
     KVTransferRejected,
     PairGroup,
     PairRendezvous,
-    _wire,
     backend_for,
 )
 
