@@ -5,7 +5,6 @@ same worker pools, each with its own outbox on every worker.
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 from cluster.metered_client import MeteredClient
@@ -29,12 +28,8 @@ class HTTPFront:
         refs = [WorkerRef(w["worker_id"], w["role"], w["handle"], w["info"]) for w in workers]
         self.metrics = Metrics(model_name)
         metrics = self.metrics
-
-        def on_stats(worker: Any, stats: Any) -> None:
-            snapshot = SimpleNamespace(**stats) if stats is not None else None
-            metrics.observe_worker(worker.role, worker.worker_id, snapshot, up=stats is not None)
-
-        self.pool = PoolClient(refs, RequestLimits(**limits), max_queued=max_queued, on_stats=on_stats,
+        self.pool = PoolClient(refs, RequestLimits(**limits), max_queued=max_queued,
+                               on_stats=metrics.on_worker_stats,
                                controller=controller)
         tokenizer = Tokenizer.from_folder(model_path)
         app = build_app(MeteredClient(self.pool, metrics), tokenizer, model_name, limits["max_model_len"],

@@ -7,6 +7,7 @@ request timings, and ``observe_worker`` copies worker load snapshots into the ga
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -63,6 +64,11 @@ class Metrics:
         self.prefix_hits = Counter("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    w, registry=r)
         self.preemptions = Counter("baton:num_preemptions", "Requests preempted", w, registry=r)
+        self.engine_steps = Counter("baton:engine_steps", "Engine steps (forward passes)", w, registry=r)
+        self.engine_busy = Counter("baton:engine_busy_seconds", "Seconds the engine spent in steps; its "
+                                   "rate is the worker's utilisation", w, registry=r)
+        self.tokens_computed = Counter("baton:tokens_computed", "Tokens run through the model, by kind "
+                                       "(prefill or decode)", w + ["kind"], registry=r)
         self.kv_transfer_seconds = Histogram("baton:kv_transfer_seconds", "Time to ship one request's KV",
                                              w, buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_transfer_bytes = Counter("baton:kv_transfer_bytes", "Bytes of KV shipped", w, registry=r)
@@ -88,6 +94,11 @@ class Metrics:
         self.generation_tokens.labels(m).inc(output_tokens)
         self.request_success.labels(m, finish_reason or "abort").inc()
 
+    def on_worker_stats(self, worker: Any, stats: dict[str, Any] | None) -> None:
+        """``PoolClient``'s ``on_stats`` hook: a worker's stats dict, or None when it is down."""
+        snapshot = SimpleNamespace(**stats) if stats is not None else None
+        self.observe_worker(worker.role, worker.worker_id, snapshot, up=stats is not None)
+
     def observe_worker(self, role: str, worker: str, stats: Any, up: bool = True) -> None:
         """Copy a worker's ``EngineStats`` snapshot (plus optional transfer stats) into the metrics."""
         self.worker_up.labels(role, worker).set(1.0 if up else 0.0)
@@ -100,6 +111,12 @@ class Metrics:
         self.prefix_queries.labels(role, worker).inc(c.delta("q", stats.prefix_cache_queries))
         self.prefix_hits.labels(role, worker).inc(c.delta("h", stats.prefix_cache_hits))
         self.preemptions.labels(role, worker).inc(c.delta("p", stats.num_preemptions))
+        self.engine_steps.labels(role, worker).inc(c.delta("s", stats.num_steps))
+        self.engine_busy.labels(role, worker).inc(c.delta("busy", stats.busy_seconds))
+        self.tokens_computed.labels(role, worker, "prefill").inc(
+            c.delta("tp", stats.num_prefill_tokens_computed))
+        self.tokens_computed.labels(role, worker, "decode").inc(
+            c.delta("td", stats.num_decode_tokens_computed))
         transfer = stats.extra.get("kv_transfer") if stats.extra else None
         if transfer:
             self.kv_transfer_bytes.labels(role, worker).inc(c.delta("b", transfer.get("bytes", 0)))

@@ -205,10 +205,15 @@ class PoolClient:
 
     async def _stats_loop(self, interval_s: float) -> None:
         while True:
-            if self.controller is not None:
-                await self._sync_from_controller(interval_s)
-            else:
-                await self._poll_stats(interval_s)
+            try:
+                if self.controller is not None:
+                    await self._sync_from_controller(interval_s)
+                else:
+                    await self._poll_stats(interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad snapshot must not stop load tracking and metrics for good
+                log.exception("worker stats update failed")
             await asyncio.sleep(interval_s)
 
     async def _sync_from_controller(self, interval_s: float) -> None:
@@ -228,6 +233,8 @@ class PoolClient:
                 self._mark_dead(w, RuntimeError("failed health checks"))
             if member["stats"]:
                 w.load.update(member["stats"])
+            elif w.alive:
+                continue  # no check has answered yet: nothing to report
             if self.on_stats:
                 self.on_stats(w, member["stats"] if w.alive else None)
 

@@ -35,16 +35,9 @@ class Deployment:
         self.cluster.start()
         model_name = self.config.server.model_name or self.cluster.model_path.name
         self.metrics = Metrics(model_name)
-        metrics = self.metrics
-
-        def on_stats(worker: Any, stats: Any) -> None:
-            from types import SimpleNamespace
-
-            snapshot = SimpleNamespace(**stats) if stats is not None else None
-            metrics.observe_worker(worker.role, worker.worker_id, snapshot, up=stats is not None)
-
         self.pool = PoolClient(self.cluster.workers, self.cluster.limits,
-                               max_queued=self.config.server.max_queued_requests, on_stats=on_stats,
+                               max_queued=self.config.server.max_queued_requests,
+                               on_stats=self.metrics.on_worker_stats,
                                controller=self.cluster.controller)
         tokenizer = Tokenizer.from_folder(self.cluster.model_path)
         self.app = build_app(MeteredClient(self.pool, self.metrics), tokenizer, model_name,

@@ -39,6 +39,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_steps: int = 0
+    busy_seconds: float = 0.0
+    num_prefill_tokens_computed: int = 0
+    num_decode_tokens_computed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,7 +127,9 @@ class AsyncEngine:
         e = self.engine
         bm = e.block_manager
         return EngineStats(e.num_running, e.num_waiting, bm.usage, bm.num_free_blocks, bm.num_blocks,
-                           bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions)
+                           bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions,
+                           e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
+                           e.num_decode_tokens_computed)
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""

@@ -24,7 +24,7 @@ from workers.prefix_hash import CacheNamespace
 from workers.request import Request, RequestStatus
 from workers.sampler import Sampler, SamplingRow
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from workers.scheduler import Scheduler, SchedulerOutput
 from workers.swap import HostBlockPool
 from workers.validation import RequestLimits
 
@@ -63,6 +63,11 @@ class EngineCore(KVMigrationMixin):
         self.parked: dict[str, Request] = {}  # prefill done, KV held until shipped
         self.incoming: dict[str, Request] = {}  # blocks reserved, KV being received
         self.paused: dict[str, Request] = {}  # descheduled for a slow reader, KV kept
+        # Totals since start: how busy the engine is and on what (metrics, pool-ratio planning).
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+        self.num_prefill_tokens_computed = 0
+        self.num_decode_tokens_computed = 0
 
     @staticmethod
     def _host_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
@@ -158,6 +163,16 @@ class EngineCore(KVMigrationMixin):
         if out.is_empty:
             self.runner.apply_swaps(out)  # a tick may only swap out; the copies cannot wait
             return []
+        started = time.perf_counter()
+        try:
+            return self._run_step(out)
+        finally:
+            self.num_steps += 1
+            self.busy_seconds += time.perf_counter() - started
+            self.num_decode_tokens_computed += len(out.decodes)
+            self.num_prefill_tokens_computed += out.num_batched_tokens - len(out.decodes)
+
+    def _run_step(self, out: SchedulerOutput) -> list[TokenDelta]:
         sampling = [s.request for s in sampling_requests(out)]
         logits = self.runner.execute(out, self.block_manager.block_table)
         self.scheduler.update_after_forward(out)

@@ -76,6 +76,21 @@ def test_metrics_and_health(servers):
     ttft = [line for line in body.splitlines() if line.startswith("baton:time_to_first_token_seconds_count")]
     assert float(ttft[0].split()[-1]) >= 1
 
+    def computed(role: str, kind: str) -> float:
+        lines = [ln for ln in httpx.get(f"{url}/metrics").text.splitlines()
+                 if ln.startswith("baton:tokens_computed_total{") and f'role="{role}"' in ln
+                 and f'kind="{kind}"' in ln]
+        return sum(float(ln.split()[-1]) for ln in lines)
+
+    # Worker counters arrive with the periodic stats poll: the prompt ran on the prefill worker,
+    # the later tokens on the decode worker, and both spent time in steps.
+    deadline = time.monotonic() + 10
+    while (computed("prefill", "prefill") == 0 or computed("decode", "decode") == 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert computed("prefill", "prefill") > 0 and computed("decode", "decode") > 0
+    assert computed("decode", "prefill") == 0
+    assert "baton:engine_busy_seconds_total" in httpx.get(f"{url}/metrics").text
+
 
 def test_bad_request_is_a_400_and_leaks_nothing(servers):
     from openai import BadRequestError
