@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
+import shlex
 import sys
 import time
+from pathlib import Path
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -64,6 +67,104 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _plan_result_path(args: argparse.Namespace) -> Path | None:
+    if args.result_file is None and args.result_dir is None:
+        return None
+    return Path(args.result_dir or ".") / (args.result_file or f"plan_live_{args.workers}w.json")
+
+
+def _cmd_plan_live(args: argparse.Namespace) -> int:
+    from cluster.bench.metrics import parse_goodput
+    from cluster.bench.plan import parse_ratios, plan_json, plan_layouts, plan_markdown, plot_plan, run_plan
+    from cluster.bench.report import write_json
+    from cluster.bench.runner import BenchConfig
+    from cluster.bench.workload import LengthDist, WorkloadConfig, WorkloadError
+    from cluster.config import load_config
+
+    try:  # ConfigError and WorkloadError are ValueErrors: every bad option ends here, before Ray starts
+        if args.address and args.address.startswith("ray://"):
+            raise ValueError("--address: the HTTP front runs on this node's loopback, so run plan live on a "
+                             "node of the cluster with --address auto or HOST:PORT, not ray://")
+        if not args.request_rate > 0 or args.num_prompts < 1 or (args.max_concurrency or 1) < 1:
+            raise ValueError("--request-rate must be positive, --num-prompts and --max-concurrency at least 1")
+        layouts = plan_layouts(args.workers, parse_ratios(args.ratios) if args.ratios else None, args.colocated)
+        dist = {"range_ratio": args.random_range_ratio}
+        bench = BenchConfig(
+            workload=WorkloadConfig(input_len=LengthDist(args.random_input_len, **dist),
+                                    output_len=LengthDist(args.random_output_len, **dist)),
+            num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, seed=args.seed, slo=parse_goodput(args.goodput),
+            num_warmups=args.num_warmups, request_timeout_s=args.request_timeout, disable_tqdm=args.disable_tqdm)
+        base = load_config(args.config).with_overrides(**{
+            "engine.model": args.model, "engine.dtype": args.dtype, "ray.address": args.address,
+            "engine.threads_per_worker": args.threads_per_worker})
+    except ValueError as e:
+        print(f"baton plan: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        pr = run_plan(base, layouts, bench, args.port, command=shlex.join(["baton", *args.argv]))
+    except WorkloadError as e:
+        print(f"baton plan: error: {e}", file=sys.stderr)
+        return 2
+    md = plan_markdown(pr)
+    print(md)
+    path = _plan_result_path(args)
+    if path is not None:
+        written = [write_json(plan_json(pr), path), path.with_suffix(".md")]
+        written[1].write_text(md, encoding="utf-8")
+        if not args.no_plot:
+            try:
+                written.append(plot_plan(pr, path.with_suffix(".png")))
+            except ImportError:
+                print("baton plan: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
+        print(f"baton plan: wrote {', '.join(map(str, written))}", file=sys.stderr)
+    return 0 if any(r.ok for r in pr.results) else 1
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="find the prefill:decode split for a number of workers")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    live = plan_sub.add_parser(
+        "live", help="start each prefill:decode layout in turn, run one workload, rank by goodput per worker",
+        description="For a fixed number of workers, start the cluster at each prefill:decode ratio (and "
+        "colocated), run the same workload (same seed, same prompts), and report goodput per worker.")
+    g = live.add_argument_group("layouts")
+    g.add_argument("--workers", type=int, default=2, help="total workers in every layout (default 2)")
+    g.add_argument("--ratios", default=None, metavar="P:D,...",
+                   help="prefill:decode ratios, e.g. 1:3,1:1,3:1; P+D must divide --workers "
+                   "(default: every split of the workers)")
+    g.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run --workers colocated workers as the baseline (default on)")
+    g = live.add_argument_group("cluster")
+    g.add_argument("--config", default=None, help="TOML config (its [pools] are replaced by each layout)")
+    g.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--threads-per-worker", type=int, default=None)
+    g.add_argument("--address", default=None,
+                   help="Ray address to join ('auto' or HOST:PORT; run on a cluster node) instead of a local Ray")
+    g.add_argument("--port", type=int, default=0, help="loopback port of the HTTP front (default: a free one)")
+    g = live.add_argument_group("workload (as in baton bench)")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s, open loop (default inf)")
+    g.add_argument("--burstiness", type=float, default=1.0)
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each layout's run")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs, e.g. ttft:2000 tpot:200 (without: goodput = completed requests/s)")
+    g = live.add_argument_group("results")
+    g.add_argument("--result-dir", default=None, help="folder for the JSON, Markdown and PNG")
+    g.add_argument("--result-file", default=None,
+                   help="JSON file name or path (default plan_live_<workers>w.json); .md and .png beside it")
+    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    g.add_argument("--disable-tqdm", action="store_true")
+    live.set_defaults(func=_cmd_plan_live)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,11 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
         "percentiles, throughput and goodput; 'baton bench sweep --rates ...' finds the knee.")
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+    _add_plan_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
