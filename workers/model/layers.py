@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import backend
+from kernels import backend, packed_linear
 from kernels.reference import build_cos_sin_cache
 
 
@@ -64,6 +64,11 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, self._load)
+        self.packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Pack the loaded weight for the CPU matmul (see ``kernels.packed_linear``)."""
+        self.packed = packed_linear.pack(self.weight)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         idx = 0 if shard_id is None else shard_id
@@ -73,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, local).copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return packed_linear.linear(x, self.weight, self.packed, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -92,12 +97,17 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, default_weight_loader)
+        self.packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Pack the loaded weight for the CPU matmul (see ``kernels.packed_linear``)."""
+        self.packed = packed_linear.pack(self.weight)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         param.data.copy_(loaded.narrow(1, self.ctx.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.ctx.all_reduce(packed_linear.linear(x, self.weight, self.packed))
         return y if self.bias is None else y + self.bias
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import backend
+from kernels import backend, packed_linear
 from workers.model.attention import AttentionMetadata, PagedAttention
 from workers.model.config import ModelConfig
 from workers.model.layers import (
@@ -118,6 +118,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.requires_grad_(False)
             self.lm_head.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
+        self._lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Pack every matmul weight for the CPU (a no-op elsewhere); call once the weights are loaded."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "pack_weights"):
+                module.pack_weights()
+        self._lm_head_packed = packed_linear.pack(self.lm_head_weight)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -142,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         distribution that sampling draws from) is exact for the given hidden state.
         """
         weight = self.lm_head_weight
-        logits = nn.functional.linear(hidden, weight).float()
+        logits = packed_linear.linear(hidden, weight, self._lm_head_packed).float()
         if hidden.dtype == torch.float32:
             return logits
         row_max = logits.max(dim=-1, keepdim=True).values

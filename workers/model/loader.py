@@ -58,6 +58,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     missing = [n for n in params if not _is_loaded(n, loaded)]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights for {missing[:5]}")
+    model.pack_weights()
     return model.eval()
 
 
