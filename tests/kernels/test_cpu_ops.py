@@ -15,7 +15,7 @@ import torch
 from kernels import backend, cpu_ops
 from kernels import reference as ref
 
-_OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+_OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler to build the native kernels")
 
 
@@ -98,6 +98,54 @@ def test_decode_rounds_an_fp32_query_to_a_bf16_cache_like_the_reference(kt) -> N
     got = cpu_ops.paged_decode_attention(*args)
     assert got.dtype == torch.float32
     kt.assert_close(got, ref.paged_decode_attention(*args), torch.bfloat16, "vs reference")
+
+
+# --- prefill attention (bf16 caches run natively; the rest is the reference) ---------------------
+
+def _pargs(b) -> tuple:
+    return b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale
+
+
+def test_prefill_matches_float64_and_reference(kt, prefill_case) -> None:
+    b = prefill_case.batch()
+    window = prefill_case.sliding_window
+    got = cpu_ops.paged_prefill_attention(*_pargs(b), window)
+    assert got.shape == b.query.shape and got.dtype == b.query.dtype
+    assert torch.isfinite(got).all()
+    kt.assert_close(got, kt.naive_paged_attention(b, window), b.query.dtype, "vs float64")
+    kt.assert_close(got, ref.paged_prefill_attention(*_pargs(b), window), b.query.dtype, "vs reference")
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim,ratio", [(64, 3), (128, 1), (32, 4), (96, 2)])
+@pytest.mark.parametrize("window", [None, 1, 37, 300])
+def test_prefill_native_bf16(kt, native_only, block_size: int, head_dim: int, ratio: int,
+                             window: int | None) -> None:
+    """Fresh prompts and chunks after cached context; chunks longer than a task's 64 rows, rows
+    not a multiple of 4, contexts ending mid-block, and windows inside and across key tiles."""
+    # (context before the chunk, chunk length)
+    parts = [(0, 1), (0, 7), (0, 130), (block_size * 3, 1), (45, 66), (200, 201), (5, 64)]
+    b = kt.make_paged_batch(block_size + head_dim + (window or 0), [c + q for c, q in parts],
+                            [q for _, q in parts], 2 * ratio, 2, head_dim, block_size, torch.bfloat16)
+    got = cpu_ops.paged_prefill_attention(*_pargs(b), window)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    kt.assert_close(got, kt.naive_paged_attention(b, window), torch.bfloat16, "vs float64")
+
+
+def test_prefill_long_context_chunk(kt, native_only) -> None:
+    """A 512-token chunk after 1500 cached tokens: many tasks and a 2000-key sweep per row."""
+    b = kt.make_paged_batch(11, [2012], [512], 9, 3, 64, 16, torch.bfloat16)
+    got = cpu_ops.paged_prefill_attention(*_pargs(b), None)
+    kt.assert_close(got, kt.naive_paged_attention(b, None), torch.bfloat16, "vs float64")
+
+
+def test_prefill_fp32_and_odd_head_dims_use_the_reference(kt) -> None:
+    b = kt.make_paged_batch(4, [30, 9], [30, 4], 4, 2, 40, 16, torch.bfloat16)
+    got = cpu_ops.paged_prefill_attention(*_pargs(b), None)
+    kt.assert_close(got, ref.paged_prefill_attention(*_pargs(b), None), torch.bfloat16, "d=40")
+    b = kt.make_paged_batch(4, [30, 9], [30, 4], 4, 2, 64, 16, torch.float32)
+    got = cpu_ops.paged_prefill_attention(*_pargs(b), None)
+    assert torch.equal(got, ref.paged_prefill_attention(*_pargs(b), None))  # fp32: the reference itself
 
 
 # --- fused element-wise ops ---------------------------------------------------------------------
