@@ -56,6 +56,8 @@ class Metrics:
                                         m + ["reason"], registry=r)
         self.running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w,
                              registry=r)
+        self.paused = Gauge("baton:num_requests_paused", "Requests descheduled because their reader fell "
+                            "behind (backpressure); their KV is kept", w, registry=r)
         self.waiting = Gauge("baton:num_requests_waiting", "Requests waiting to be scheduled", w, registry=r)
         self.kv_usage = Gauge("baton:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", w,
                               registry=r)
@@ -106,6 +108,7 @@ class Metrics:
             return
         self.running.labels(role, worker).set(stats.num_running)
         self.waiting.labels(role, worker).set(stats.num_waiting)
+        self.paused.labels(role, worker).set(getattr(stats, "num_paused", 0))
         self.kv_usage.labels(role, worker).set(stats.kv_cache_usage)
         c = self._counters.setdefault((role, worker), _WorkerCounters())
         self.prefix_queries.labels(role, worker).inc(c.delta("q", stats.prefix_cache_queries))
