@@ -183,6 +183,52 @@ INLINE void pv_dispatch(float *acc, const float *corr, const float *p, const cha
 #undef PV_CASE
 }
 
+#if BF16_DOT
+/* P.V for bf16 caches by vdpbf16ps: two V rows interleaved per 32-dim chunk (unpacklo/hi_epi16)
+ * against a broadcast pair of bf16 probabilities, so one instruction does 2 tokens x 16 dims
+ * (fp32 FMAs on widened rows did 1 x 16). The accumulators keep unpack's lane order: within
+ * each 32-dim chunk, slots 0-15 hold dims 8(j/4) + j%4 and slots 16-31 dims 8(j/4) + 4 + j%4;
+ * decode_task undoes that when it writes the output. pp[g][i] is the bf16 pair (p[2i], p[2i+1]).
+ * A missing odd row is a zero vector, never a load past the block's last token. */
+INLINE void pv_bf16_tile(float *acc, const float *corr, const uint32_t *pp, const char *v, size_t vstride,
+                         int n, int NG, int NCH) {
+    __m512 a[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int k = 0; k < 2 * NCH; k++)
+            a[g][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * MAX_D + 16 * k), _mm512_set1_ps(corr[g]));
+    for (int t = 0; t < n; t += 2) {
+        __m512i lo[2], hi[2];
+        for (int ch = 0; ch < NCH; ch++) {
+            const __m512i x = _mm512_loadu_si512(v + t * vstride + 64 * ch);
+            const __m512i y = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * vstride + 64 * ch)
+                                        : _mm512_setzero_si512();
+            lo[ch] = _mm512_unpacklo_epi16(x, y);
+            hi[ch] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int g = 0; g < NG; g++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[g * (MAX_BS / 2) + t / 2]);
+            for (int ch = 0; ch < NCH; ch++) {
+                a[g][2 * ch] = _mm512_dpbf16_ps(a[g][2 * ch], (__m512bh)lo[ch], pb);
+                a[g][2 * ch + 1] = _mm512_dpbf16_ps(a[g][2 * ch + 1], (__m512bh)hi[ch], pb);
+            }
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int k = 0; k < 2 * NCH; k++)
+            _mm512_storeu_ps(acc + g * MAX_D + 16 * k, a[g][k]);
+}
+
+INLINE void pv_bf16_dispatch(float *acc, const float *corr, const uint32_t *pp, const char *v, size_t vstride,
+                             int n, int NG, int NCH) {
+#define PVB_CASE(ng, nch) case (ng) * 8 + (nch): pv_bf16_tile(acc, corr, pp, v, vstride, n, ng, nch); break;
+    switch (NG * 8 + NCH) {
+    PVB_CASE(1, 1) PVB_CASE(2, 1) PVB_CASE(3, 1) PVB_CASE(4, 1)
+    PVB_CASE(1, 2) PVB_CASE(2, 2) PVB_CASE(3, 2) PVB_CASE(4, 2)
+    }
+#undef PVB_CASE
+}
+#endif
+
 /* Start moving block number b of a sequence (if it has one) into L2: blocks are scattered in
  * memory, so the hardware prefetcher cannot run ahead across them. */
 INLINE void prefetch_block(const void *kc, const void *vc, const int32_t *table, int b, int L, int h,
@@ -274,6 +320,23 @@ INLINE void decode_task(const float *restrict q, const void *kc, const void *vc,
             }
             l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
         }
+#if BF16_DOT
+        if (bf16) {
+            uint32_t pp[MAX_G][MAX_BS / 2] __attribute__((aligned(64)));
+            for (int g = 0; g < G; g++)
+                for (int t0 = 0; t0 < n; t0 += 16)  /* lanes past n hold p = 0: pairs stay exact */
+                    _mm256_store_si256((__m256i *)&pp[g][t0 / 2],
+                                       (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sc[g] + t0)));
+            for (int c = 0; c < D;) {
+                const int nch = D - c >= 64 ? 2 : 1;
+                for (int g = 0; g < G; g += 4)
+                    pv_bf16_dispatch(&acc[g][c], corr + g, pp[g], vb + c * esz, rstride, n,
+                                     G - g < 4 ? G - g : 4, nch);
+                c += 32 * nch;
+            }
+            continue;
+        }
+#endif
         for (int c = 0; c < D;) {
             const int nc = D - c >= 64 ? 4 : 1;
             for (int g = 0; g < G; g += 4)
@@ -284,7 +347,18 @@ INLINE void decode_task(const float *restrict q, const void *kc, const void *vc,
     }
     for (int g = 0; g < G; g++) {
         float *op = out + ((size_t)s * Hq + (size_t)h * G + g) * D;
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+        const float invs = l[g] > 0.f ? 1.f / l[g] : 0.f;
+#if BF16_DOT
+        if (bf16) {  /* undo pv_bf16_tile's lane order */
+            for (int c = 0; c < D; c += 32)
+                for (int j = 0; j < 16; j++) {
+                    op[c + 8 * (j / 4) + j % 4] = acc[g][c + j] * invs;
+                    op[c + 8 * (j / 4) + 4 + j % 4] = acc[g][c + 16 + j] * invs;
+                }
+            continue;
+        }
+#endif
+        const __m512 inv = _mm512_set1_ps(invs);
         for (int c = 0; c < D; c += 16)
             _mm512_storeu_ps(op + c, _mm512_mul_ps(_mm512_load_ps(&acc[g][c]), inv));
     }
