@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.metrics import SLO
-from cluster.bench.report import pyplot
+from cluster.bench.report import pyplot, save_figure
 from cluster.bench.runner import BenchConfig, config_dict, run
 from cluster.bench.workload import WorkloadError
 from cluster.config import ClusterConfig
@@ -341,9 +341,4 @@ def plot_plan(pr: PlanResult, path: str | Path) -> Path:
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
     best = f"best: {pr.best}" if pr.best else "no layout met the SLO"
     ax.set(ylabel="goodput per worker (req/s)", title=f"{pr.workers} workers, goodput per worker\n{best}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

@@ -107,6 +107,16 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Lay out ``fig``, write it as a PNG at ``path`` (folders made as needed) and close it."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_run(res: BenchResult, path: str | Path) -> Path:
     """Two panels: TTFT and E2E latency of each request against its scheduled arrival (stalls
     show as ramps), and the percentiles of each metric."""
@@ -132,9 +142,4 @@ def plot_run(res: BenchResult, path: str | Path) -> Path:
     ax2.set(ylabel="ms", title=f"{s['completed']} requests, {s['request_throughput']:.2f} req/s")
     ax2.set_yscale("log")
     ax2.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

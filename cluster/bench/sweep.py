@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.metrics import SLO
-from cluster.bench.report import pyplot
+from cluster.bench.report import pyplot, save_figure
 from cluster.bench.runner import BenchConfig, config_dict, run
 
 MAX_FAILED_FRACTION = 0.01  # failures beyond 1% would hide inside a p99 of the completed ones
@@ -142,9 +142,4 @@ def plot_sweep(sw: SweepResult, path: str | Path) -> Path:
             ticks = sorted(set(xs))
             ax.set_xticks(ticks, [("inf" if x == inf_x else f"{x:g}") for x in ticks])
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
