@@ -41,6 +41,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "baton_rms_norm": (_I, [_P] * 5 + [_I64, _I, _I, _I, _F, _I]),
     "baton_rope_neox": (_I, [_P] * 6 + [_I64, _I, _I, _I, _I64, _I64, _I64, _I, _I]),
     "baton_silu_and_mul": (None, [_P, _P, _I64, _I, _I, _I]),
+    "baton_logits_candidates": (_I, [_P] * 4 + [_I64, _I64, _I64, _F, _I]),
 }
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -164,6 +165,28 @@ def paged_prefill_attention(
         return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                                  query_start_loc, scale, sliding_window)
     return out.to(query.dtype)
+
+
+_MAX_CANDIDATES = 64  # per row; real logits have a handful near the max, ties beyond this use the reference
+
+
+def logits_candidates(logits: torch.Tensor, margin_ulps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``kernels.logits.upcast_with_candidates`` for bf16 ``[N, V]`` in one native pass per row
+    (instead of four torch passes over the vocabulary); None when it cannot run here."""
+    lib = _elementwise_lib(logits) if logits.dtype == torch.bfloat16 and logits.dim() == 2 else None
+    if lib is None:
+        return None
+    n, v = logits.shape
+    out = torch.empty((n, v), dtype=torch.float32)
+    cand = torch.empty((n, _MAX_CANDIDATES), dtype=torch.int32)
+    counts = torch.empty(n, dtype=torch.int32)
+    if lib.baton_logits_candidates(logits.data_ptr(), out.data_ptr(), cand.data_ptr(), counts.data_ptr(),
+                                   n, v, _MAX_CANDIDATES, float(margin_ulps), torch.get_num_threads()):
+        return None  # a row with more near-ties than _MAX_CANDIDATES
+    counts = counts.long()
+    keep = torch.arange(_MAX_CANDIDATES) < counts[:, None]
+    return out, torch.repeat_interleave(torch.arange(n), counts), cand[keep].long()
 
 
 def _elementwise_lib(*tensors: torch.Tensor) -> ctypes.CDLL | None:

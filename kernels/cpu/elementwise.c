@@ -247,3 +247,63 @@ void baton_silu_and_mul(const void *x, void *out, int64_t rows, int I, int dt, i
             silu_row(xi, oi, I, 0);
     }
 }
+
+/* bf16 logits [rows, V] -> fp32 out, and per row the columns within `margin` output ulps of the
+ * row's max (ulp = 2^(floor(log2(max(|max|, 1e-3))) - 7), as kernels/reference.py computes it):
+ * the entries whose order bf16 rounding may have changed. cand [rows, max_cands] gets the
+ * columns in ascending order, counts [rows] how many. One pass converts and finds the max, a
+ * second (over the fp32 row, still in cache) collects. Returns 0, or -1 if a row has more than
+ * max_cands candidates (the caller then uses the reference). */
+int baton_logits_candidates(const uint16_t *in, float *out, int32_t *cand, int32_t *counts, int64_t rows,
+                            int64_t V, int64_t max_cands, float margin, int nthreads) {
+    int overflow = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * V >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = in + r * V;
+        float *o = out + r * V;
+        float m = -INFINITY;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= V; i += 16) {
+            const __m512 v = vld(x, i, 1);
+            _mm512_storeu_ps(o + i, v);
+            vm = _mm512_max_ps(vm, v);
+        }
+        m = _mm512_reduce_max_ps(vm);
+#endif
+        for (; i < V; i++) {
+            o[i] = ld(x, i, 1);
+            m = o[i] > m ? o[i] : m;
+        }
+        const float a = fabsf(m) > 1e-3f ? fabsf(m) : 1e-3f;
+        const float thr = m - margin * ldexpf(1.f, (int)floorf(log2f(a)) - 7);
+        int64_t n = 0;
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 vt = _mm512_set1_ps(thr);
+        for (; i + 16 <= V; i += 16) {
+            __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(o + i), vt, _CMP_GE_OQ);
+            while (k) {
+                const int j = __builtin_ctz(k);
+                if (n < max_cands)
+                    cand[r * max_cands + n] = (int32_t)(i + j);
+                n++;
+                k &= k - 1;
+            }
+        }
+#endif
+        for (; i < V; i++)
+            if (o[i] >= thr) {
+                if (n < max_cands)
+                    cand[r * max_cands + n] = (int32_t)i;
+                n++;
+            }
+        counts[r] = (int32_t)(n < max_cands ? n : max_cands);
+        if (n > max_cands) {
+            _Pragma("omp atomic write")
+            overflow = 1;
+        }
+    }
+    return overflow ? -1 : 0;
+}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kernels import backend, packed_linear
+from kernels.logits import upcast_with_candidates
 from workers.model.attention import AttentionMetadata, PagedAttention
 from workers.model.config import ModelConfig
 from workers.model.layers import (
@@ -145,19 +146,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]``.
 
-        In bf16/fp16 the matmul's output is rounded to 8 (or 11) mantissa bits: logits near 25
-        land on a 0.125 grid and near-ties flip greedy choices. The tokens within two output
-        ulps of each row's max are recomputed in fp32, so the argmax (and the head of the
-        distribution that sampling draws from) is exact for the given hidden state.
+        In bf16/fp16 the matmul's output is rounded to 8 (or 11) mantissa bits and near-ties flip
+        greedy choices: the tokens within two output ulps of each row's max (``kernels.logits``)
+        are recomputed in fp32, so the argmax (and the head of the distribution that sampling
+        draws from) is exact for the given hidden state.
         """
         weight = self.lm_head_weight
-        logits = packed_linear.linear(hidden, weight, self._lm_head_packed).float()
+        logits = packed_linear.linear(hidden, weight, self._lm_head_packed)
         if hidden.dtype == torch.float32:
             return logits
-        row_max = logits.max(dim=-1, keepdim=True).values
-        mantissa_bits = 8 if hidden.dtype == torch.bfloat16 else 11
-        ulp = torch.exp2(torch.floor(torch.log2(row_max.abs().clamp_min(1e-3))) - (mantissa_bits - 1))
-        rows, cols = torch.nonzero(logits >= row_max - 2 * ulp, as_tuple=True)
+        logits, rows, cols = upcast_with_candidates(logits, margin_ulps=2.0)
         exact = (hidden[rows].float() * weight[cols].float()).sum(-1)
         logits[rows, cols] = exact
         return logits
