@@ -108,7 +108,7 @@ class Metrics:
             return
         self.running.labels(role, worker).set(stats.num_running)
         self.waiting.labels(role, worker).set(stats.num_waiting)
-        self.paused.labels(role, worker).set(getattr(stats, "num_paused", 0))
+        self.paused.labels(role, worker).set(stats.num_paused)
         self.kv_usage.labels(role, worker).set(stats.kv_cache_usage)
         c = self._counters.setdefault((role, worker), _WorkerCounters())
         self.prefix_queries.labels(role, worker).inc(c.delta("q", stats.prefix_cache_queries))

@@ -29,7 +29,8 @@ _OPS = (
 )
 
 
-def _forced() -> str | None:
+def forced() -> str | None:
+    """The backend ``BATON_KERNEL_BACKEND`` forces (torch, native or triton), or None for automatic."""
     value = os.environ.get("BATON_KERNEL_BACKEND", "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -48,15 +49,15 @@ def _triton_ops() -> Any | None:
 
 def select(op: str, device: torch.device) -> Callable[..., Any]:
     """The implementation of ``op`` to use for tensors on ``device``."""
-    forced = _forced()
-    use_triton = forced == "triton" or (forced is None and device.type == "cuda")
+    forced_now = forced()
+    use_triton = forced_now == "triton" or (forced_now is None and device.type == "cuda")
     if use_triton:
         ops = _triton_ops()
         if ops is not None and hasattr(ops, op):
             return getattr(ops, op)
-        if forced == "triton":
+        if forced_now == "triton":
             raise RuntimeError(f"BATON_KERNEL_BACKEND=triton but no Triton kernel for {op!r} is available")
-    elif forced != "torch" and device.type == "cpu" and hasattr(cpu_ops, op):
+    elif forced_now != "torch" and device.type == "cpu" and hasattr(cpu_ops, op):
         return getattr(cpu_ops, op)  # falls back to the reference by itself when it cannot run
     return getattr(reference, op)
 

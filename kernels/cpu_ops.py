@@ -148,23 +148,21 @@ def paged_prefill_attention(
     flash kernel (bf16 q.k products, fp32 softmax and accumulation); anything else, the reference."""
     total, hq, d = query.shape
     hkv = k_cache.shape[2]
-    if (total == 0 or k_cache.dtype != torch.bfloat16 or not supports(k_cache) or hq % hkv or d % 32
-            or not v_cache.is_contiguous()):
-        return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                                 query_start_loc, scale, sliding_window)
-    q = query.to(torch.bfloat16).contiguous()  # rounded to the cache dtype, as the reference does
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    out = torch.empty((total, hq, d), dtype=torch.float32)
-    rc = library().paged_prefill_bf16(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        starts.data_ptr(), out.data_ptr(), lens.shape[0], hq, hkv, d, k_cache.shape[1], tables.shape[1],
-        float(scale), int(sliding_window or 0), torch.get_num_threads())
-    if rc != 0:  # this build or CPU cannot run it (no AVX512_BF16), or out of memory
-        return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                                 query_start_loc, scale, sliding_window)
-    return out.to(query.dtype)
+    if (total and k_cache.dtype == torch.bfloat16 and supports(k_cache) and not hq % hkv and not d % 32
+            and v_cache.is_contiguous()):
+        q = query.to(torch.bfloat16).contiguous()  # rounded to the cache dtype, as the reference does
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        starts = query_start_loc.to(torch.int32).contiguous()
+        out = torch.empty((total, hq, d), dtype=torch.float32)
+        # nonzero when this build or CPU cannot run it (no AVX512_BF16), or out of memory
+        if not library().paged_prefill_bf16(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                starts.data_ptr(), out.data_ptr(), lens.shape[0], hq, hkv, d, k_cache.shape[1],
+                tables.shape[1], float(scale), int(sliding_window or 0), torch.get_num_threads()):
+            return out.to(query.dtype)
+    return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                             query_start_loc, scale, sliding_window)
 
 
 _MAX_CANDIDATES = 64  # per row; real logits have a handful near the max, ties beyond this use the reference

@@ -8,11 +8,9 @@ recompute exactly. On CPU, bf16 runs natively in one pass per row (``kernels.cpu
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import cpu_ops
+from kernels import backend, cpu_ops
 
 
 def upcast_with_candidates_torch(logits: torch.Tensor, margin_ulps: float = 2.0
@@ -29,7 +27,7 @@ def upcast_with_candidates_torch(logits: torch.Tensor, margin_ulps: float = 2.0
 def upcast_with_candidates(logits: torch.Tensor, margin_ulps: float = 2.0
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same result as ``upcast_with_candidates_torch``; native for bf16 CPU tensors."""
-    if logits.is_cpu and os.environ.get("BATON_KERNEL_BACKEND", "").strip().lower() != "torch":
+    if logits.is_cpu and backend.forced() != "torch":
         native = cpu_ops.logits_candidates(logits, margin_ulps)
         if native is not None:
             return native

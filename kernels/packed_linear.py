@@ -13,12 +13,14 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels import backend
+
 _BATCH_HINT = 1  # oneDNN's layout choice barely depends on it for these shapes; decode rows are few
 
 
 def enabled() -> bool:
     """Whether packing is allowed (on by default; ``BATON_PACKED_LINEAR=0`` or a forced torch backend turn it off)."""
-    if os.environ.get("BATON_KERNEL_BACKEND", "").strip().lower() == "torch":
+    if backend.forced() == "torch":
         return False
     return os.environ.get("BATON_PACKED_LINEAR", "1").strip() not in ("0", "false", "no", "off")
 

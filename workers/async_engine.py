@@ -39,6 +39,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_paused: int = 0  # descheduled for a slow reader (backpressure), KV kept
     num_steps: int = 0
     busy_seconds: float = 0.0
     num_prefill_tokens_computed: int = 0
@@ -128,7 +129,7 @@ class AsyncEngine:
         bm = e.block_manager
         return EngineStats(e.num_running, e.num_waiting, bm.usage, bm.num_free_blocks, bm.num_blocks,
                            bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions,
-                           e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
+                           len(e.paused), e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
                            e.num_decode_tokens_computed)
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:

@@ -150,7 +150,6 @@ class Worker:
         out = dict(s.__dict__)
         out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent}}
         out["alive"] = self.engine.is_alive
-        out["num_paused"] = len(self.core.paused)
         out["pair_groups"] = len(self._pairs)
         out["tracked_requests"] = len(self._owner)
         return out
