@@ -35,13 +35,15 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
           "-shared", "-fPIC"]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name: (restype, argtypes)
-    "paged_decode_bf16": (None, [_P] * 6 + [_I] * 6 + [_F, _I, _I]),
-    "paged_decode_f32": (None, [_P] * 6 + [_I] * 6 + [_F, _I, _I]),
+    "paged_decode_bf16": (_I, [_P] * 6 + [_I] * 6 + [_F, _I, _I, _I]),
+    "paged_decode_f32": (_I, [_P] * 6 + [_I] * 6 + [_F, _I, _I, _I]),
     "paged_prefill_bf16": (_I, [_P] * 7 + [_I] * 6 + [_F, _I, _I]),
     "baton_rms_norm": (_I, [_P] * 5 + [_I64, _I, _I, _I, _F, _I]),
     "baton_rope_neox": (_I, [_P] * 6 + [_I64, _I, _I, _I, _I64, _I64, _I64, _I, _I]),
     "baton_silu_and_mul": (None, [_P, _P, _I64, _I, _I, _I]),
     "baton_logits_candidates": (_I, [_P] * 4 + [_I64, _I64, _I64, _F, _I]),
+    "baton_write_kv": (_I, [_P] * 5 + [_I64] * 5 + [_I, _I]),
+    "baton_argmax_f32": (None, [_P, _P, _I64, _I64, _I64, _I]),
 }
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -123,15 +125,22 @@ def paged_decode_attention(
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                 sliding_window, max_seq_len, num_splits)
     lib = library()
-    q = query.to(k_cache.dtype).float().contiguous()  # q rounded to the cache dtype, as the reference
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty((num_seqs, hq, d), dtype=torch.float32)
-    getattr(lib, _KERNELS[k_cache.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), tables.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), num_seqs, hq, hkv, d, k_cache.shape[1], tables.shape[1],
-        float(scale), int(sliding_window or 0), torch.get_num_threads())
-    return out.to(query.dtype)
+    # bf16 queries go in and come out as they are (the kernel widens and rounds); anything else
+    # is rounded to the cache dtype, as the reference does, and passed as fp32.
+    io_bf16 = query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+    q = query.contiguous() if io_bf16 else query.to(k_cache.dtype).float().contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.is_contiguous() else (
+        block_tables.to(torch.int32).contiguous())
+    lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else (
+        seq_lens.to(torch.int32).contiguous())
+    out = torch.empty((num_seqs, hq, d), dtype=torch.bfloat16 if io_bf16 else torch.float32)
+    if getattr(lib, _KERNELS[k_cache.dtype])(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), num_seqs, hq, hkv, d, k_cache.shape[1], tables.shape[1],
+            float(scale), int(sliding_window or 0), torch.get_num_threads(), int(io_bf16)):
+        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                sliding_window, max_seq_len, num_splits)
+    return out if io_bf16 else out.to(query.dtype)
 
 
 def paged_prefill_attention(
@@ -201,6 +210,52 @@ def _rows(x: torch.Tensor, weight: torch.Tensor) -> int:
     if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
         return 0
     return x.numel() // weight.shape[0]
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """``[T, H, D]`` with each token's ``H * D`` elements contiguous (rows may be strided)."""
+    return x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as ``kernels.reference.write_kv_cache``: one native pass of row copies, with
+    no mask, gather or dtype-conversion ops around it (those cost more than the copy at decode)."""
+    lib = _elementwise_lib(k_cache, v_cache)
+    if (lib is not None and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.shape == v_cache.shape and _token_rows(key) and _token_rows(value)
+            and key.shape == value.shape and key.shape[1:] == k_cache.shape[2:] and key.is_cpu and value.is_cpu
+            and slot_mapping.is_cpu and slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0]):
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else (
+            slot_mapping.to(torch.int64).contiguous())
+        t = key.shape[0]
+        nslots = k_cache.shape[0] * k_cache.shape[1]
+        # nonzero: a slot past the cache, left to the reference to raise its indexing error
+        if t == 0 or not lib.baton_write_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(),
+                                            v_cache.data_ptr(), slots.data_ptr(), t, key.shape[1] * key.shape[2],
+                                            key.stride(0), value.stride(0), nslots, _DT[key.dtype],
+                                            torch.get_num_threads()):
+            return
+    reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``kernels.reference.argmax_rows``; fp32 rows natively (torch's CPU argmax is
+    a scalar loop, ~15x slower than a vector max over a 49k vocabulary)."""
+    if (x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and x.stride(1) == 1 and x.shape[1]
+            and x.shape[0] and (x.shape[0] == 1 or x.stride(0) >= x.shape[1])):
+        lib = library()
+        if lib is not None:
+            out = torch.empty(x.shape[0], dtype=torch.int64)
+            lib.baton_argmax_f32(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                 torch.get_num_threads())
+            return out
+    return reference.argmax_rows(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -209,6 +209,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of ``x [N, V]`` as int64 ``[N]``: the first maximal index, NaN counting as maximal."""
+    return x.argmax(-1)
+
+
 def build_cos_sin_cache(
     rot_dim: int, max_positions: int, inv_freq: torch.Tensor
 ) -> torch.Tensor:

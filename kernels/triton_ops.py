@@ -7,8 +7,9 @@ The kernels live in ``kernels.triton_*`` modules; this module is the public surf
 
 from __future__ import annotations
 
-# Not a kernel (a one-off host-side table), re-exported so both modules expose the same names.
-from kernels.reference import build_cos_sin_cache
+# Not kernels, re-exported so both modules expose the same names: a one-off host-side table, and
+# the row argmax, where torch's CUDA reduction is already a single fused pass.
+from kernels.reference import argmax_rows, build_cos_sin_cache
 from kernels.triton_cache import copy_blocks, gather_kv_blocks, scatter_kv_blocks, write_kv_cache
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_norm import fused_add_rms_norm, rms_norm, silu_and_mul
@@ -16,6 +17,7 @@ from kernels.triton_prefill import paged_prefill_attention
 from kernels.triton_rotary import rotary_embedding
 
 __all__ = [
+    "argmax_rows",
     "build_cos_sin_cache",
     "copy_blocks",
     "fused_add_rms_norm",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import backend
 from workers.sampling_ops import (
     NEG_INF,
     apply_min_p,
@@ -188,13 +189,13 @@ class Sampler:
         plain = not any(_needs_hard(r) or _needs_penalty(r.params) for r in rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if plain and len(greedy) == len(rows):
-            tokens = x.argmax(-1)  # fast path: nothing to process, nothing to draw
+            tokens = backend.argmax_rows(x)  # fast path: nothing to process, nothing to draw
         else:
             # x may alias the caller's tensor: steps 1-2 write into a private copy only.
             z = x if plain else _process(x, rows, x.clone(memory_format=torch.contiguous_format))
             tokens = torch.empty(len(rows), dtype=torch.int64, device=x.device)
             if greedy:
-                tokens[torch.tensor(greedy, device=x.device)] = _take(z, greedy).argmax(-1)
+                tokens[torch.tensor(greedy, device=x.device)] = backend.argmax_rows(_take(z, greedy))
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
             if sampled:
                 picked = self._sample(_take(z, sampled), [rows[i] for i in sampled])

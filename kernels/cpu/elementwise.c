@@ -18,6 +18,7 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+#include "bf16.h"
 #define PAR_MIN_ELEMS 24576 /* below this a parallel region costs more than the work it splits */
 
 INLINE float ld(const void *p, int64_t i, int dt) {
@@ -29,13 +30,6 @@ INLINE float ld(const void *p, int64_t i, int dt) {
     return f;
 }
 
-INLINE uint16_t to_bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (f != f)
-        return 0x7FC0;
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
 
 INLINE float round_dt(float f, int dt) {
     if (!dt)
@@ -306,4 +300,59 @@ int baton_logits_candidates(const uint16_t *in, float *out, int32_t *cand, int32
         }
     }
     return overflow ? -1 : 0;
+}
+
+/* Paged KV write: token t's K and V rows (row elements each; consecutive tokens ks / vs elements
+ * apart, so views into a fused QKV output need no copy) go to slot slots[t] of the caches
+ * ([nslots, row] when flattened); a negative slot is a padding token and is skipped. Returns 0,
+ * or -1 without writing anything if a slot is past the cache (the caller's reference raises). */
+int baton_write_kv(const void *k, const void *v, void *kc, void *vc, const int64_t *slots, int64_t T,
+                   int64_t row, int64_t ks, int64_t vs, int64_t nslots, int dt, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= nslots)
+            return -1;
+    const size_t esz = dt ? 2 : 4, bytes = (size_t)row * esz;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * row >= 4 * PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy((char *)kc + (size_t)slots[t] * bytes, (const char *)k + (size_t)t * ks * esz, bytes);
+        memcpy((char *)vc + (size_t)slots[t] * bytes, (const char *)v + (size_t)t * vs * esz, bytes);
+    }
+    return 0;
+}
+
+/* Row-wise argmax of fp32 [rows, cols] (row stride ld) with torch's semantics: the first index of
+ * the maximum, and the first NaN if a row has one. torch's CPU argmax is a scalar loop; here one
+ * vector pass finds the max (and any NaN), a second the first index holding it. */
+void baton_argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, int64_t ld, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * cols >= 8 * PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * ld;
+        float m = -INFINITY;
+        int nan = 0;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        __mmask16 un = 0;
+        for (; i + 16 <= cols; i += 16) {
+            const __m512 v = _mm512_loadu_ps(p + i);
+            un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vm = _mm512_max_ps(vm, v);
+        }
+        m = _mm512_reduce_max_ps(vm);
+        nan = un != 0;
+#endif
+        for (; i < cols; i++) {
+            nan |= p[i] != p[i];
+            m = p[i] > m ? p[i] : m;
+        }
+        int64_t best = 0;
+        for (i = 0; i < cols; i++)
+            if (nan ? p[i] != p[i] : p[i] == m) {
+                best = i;
+                break;
+            }
+        out[r] = best;
+    }
 }

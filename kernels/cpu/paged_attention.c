@@ -4,15 +4,17 @@
  * each K/V row is read from memory once. Built by kernels/cpu_ops.py with -O3 -march=native
  * -fopenmp (never -ffast-math).
  *
- * Contract of paged_decode_{bf16,f32}: q is fp32 [S, Hq, D] already rounded to the cache dtype;
- * caches [blocks, BS, Hkv, D]; tables [S, MB] int32 (entries past a sequence are never read);
- * out fp32 [S, Hq, D]. Needs Hq % Hkv == 0, Hq / Hkv <= 16, D <= 256, BS <= 128.
+ * Contract of paged_decode_{bf16,f32}: q is fp32 [S, Hq, D] already rounded to the cache dtype
+ * and out fp32 [S, Hq, D], or both bf16 with io_bf16 = 1; caches [blocks, BS, Hkv, D]; tables
+ * [S, MB] int32 (entries past a sequence are never read). Needs Hq % Hkv == 0, Hq / Hkv <= 16, D <= 256, BS <= 128.
  * With AVX-512 (and D % 16 == 0; bf16 also D % 32 == 0 when AVX512_BF16 does the dots) a
  * vector kernel runs; otherwise the portable loop below.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -377,7 +379,7 @@ INLINE void decode_task(const float *restrict q, const void *kc, const void *vc,
             decode_task(q, kc, vc, tables, lens, out, s, h, Hq, Hkv, DC, BS, MB, scale, window, BF); \
     } while (0)
 
-void paged_decode_bf16(DECODE_ARGS) {
+static void decode_bf16(DECODE_ARGS) {
 #if defined(__AVX512F__)
     if (D == 64) { DECODE_LOOP(64, 1); return; }
     if (D == 128) { DECODE_LOOP(128, 1); return; }
@@ -386,7 +388,7 @@ void paged_decode_bf16(DECODE_ARGS) {
     decode_portable_bf16(q, kc, vc, tables, lens, out, S, Hq, Hkv, D, BS, MB, scale, window, nthreads);
 }
 
-void paged_decode_f32(DECODE_ARGS) {
+static void decode_f32(DECODE_ARGS) {
 #if defined(__AVX512F__)
     if (D == 64) { DECODE_LOOP(64, 0); return; }
     if (D == 128) { DECODE_LOOP(128, 0); return; }
@@ -395,4 +397,47 @@ void paged_decode_f32(DECODE_ARGS) {
     decode_portable_f32(q, kc, vc, tables, lens, out, S, Hq, Hkv, D, BS, MB, scale, window, nthreads);
 }
 
-int baton_cpu_abi_version(void) { return 2; }
+/* Entry points. io_bf16 = 0: q and out are fp32 (q already rounded to the cache dtype);
+ * io_bf16 = 1: q and out are bf16 [S, Hq, D], widened and rounded here so the caller needs no
+ * conversion ops around the call. Returns 0, or -1 if the fp32 staging buffers cannot be had. */
+typedef void (*decode_fn)(DECODE_ARGS);
+static int decode_io(decode_fn fn, const void *q, const void *kc, const void *vc, const int32_t *tables,
+                     const int32_t *lens, void *out, int S, int Hq, int Hkv, int D, int BS, int MB,
+                     float scale, int window, int nthreads, int io_bf16) {
+    if (!io_bf16) {
+        fn(q, kc, vc, tables, lens, out, S, Hq, Hkv, D, BS, MB, scale, window, nthreads);
+        return 0;
+    }
+    const size_t n = (size_t)S * Hq * D;
+    float *qf = malloc(n * sizeof(float)), *of = malloc(n * sizeof(float));
+    if (!qf || !of) {
+        free(qf);
+        free(of);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)q)[i] << 16;
+        memcpy(&qf[i], &bits, sizeof bits);
+    }
+    fn(qf, kc, vc, tables, lens, of, S, Hq, Hkv, D, BS, MB, scale, window, nthreads);
+    for (size_t i = 0; i < n; i++)
+        ((uint16_t *)out)[i] = to_bf16_bits(of[i]);
+    free(qf);
+    free(of);
+    return 0;
+}
+
+#define DECODE_IO_ARGS const void *q, const void *kc, const void *vc, const int32_t *tables, \
+    const int32_t *lens, void *out, int S, int Hq, int Hkv, int D, int BS, int MB, float scale, \
+    int window, int nthreads, int io_bf16
+int paged_decode_bf16(DECODE_IO_ARGS) {
+    return decode_io(decode_bf16, q, kc, vc, tables, lens, out, S, Hq, Hkv, D, BS, MB, scale, window,
+                     nthreads, io_bf16);
+}
+
+int paged_decode_f32(DECODE_IO_ARGS) {
+    return decode_io(decode_f32, q, kc, vc, tables, lens, out, S, Hq, Hkv, D, BS, MB, scale, window,
+                     nthreads, io_bf16);
+}
+
+int baton_cpu_abi_version(void) { return 3; }

@@ -1,11 +1,13 @@
 /* Causal prefill attention for CPUs over the paged KV cache, bf16 (AVX512_BF16), flash style:
- * q.k by vdpbf16ps (exact bf16 products, fp32 sums), online softmax and P.V in fp32.
+ * q.k by vdpbf16ps (exact bf16 products, fp32 sums), online softmax in fp32, P.V by vdpbf16ps
+ * on bf16-rounded probabilities (as GPU flash kernels do) with fp32 accumulation.
  *
  * A task is (sequence s, KV head h, a chunk of QCHUNK query positions). It first copies the
  * keys its chunk can see into a VNNI tile layout (16 keys x D/2 bf16 pairs, so one vdpbf16ps
- * scores 16 keys on one pair of dims) and the values into fp32 rows; both stay in L2 while
- * the chunk's G query heads x QCHUNK positions sweep them, 4 rows at a time with the rows'
- * output accumulators in registers. torch's CPU flash attention runs these shapes (GQA, a few
+ * scores 16 keys on one pair of dims) and the values into key pairs (each 32-bit word holds
+ * one dim of two consecutive keys, so one vdpbf16ps adds two keys' share to 16 output dims);
+ * both stay in L2 while the chunk's G query heads x QCHUNK positions sweep them, 4 rows at a
+ * time with the rows' output accumulators in registers. torch's CPU flash attention runs these shapes (GQA, a few
  * hundred tokens, D = 64) at ~30 GFLOP/s per core; this is several times that.
  *
  * Contract of paged_prefill_bf16 (same as kernels.reference.paged_prefill_attention): q bf16
@@ -32,12 +34,12 @@ typedef struct {
 
 /* Rows r (< nr <= 4) of one head g at chunk positions i0+r; keys [0, n_keys) of the buffers.
  * qpos[r] is the absolute position of row r, lo[r] its first visible key. */
-INLINE void rows4(const uint32_t *const qrow[4], const uint32_t *kv, const float *vf, int nr,
+INLINE void rows4(const uint32_t *const qrow[4], const uint32_t *kv, const uint32_t *vp, int nr,
                   const int qpos[4], const int lo[4], float scale, int D, float *const orow[4]) {
     const int DV = D / 16, DP = D / 2;
     __m512 o[4][MAX_DV];
     float m[4], l[4];
-    float p[4][16] __attribute__((aligned(64)));
+    uint32_t pp[4][8] __attribute__((aligned(64))); /* the tile's probabilities as bf16 key pairs */
     for (int r = 0; r < 4; r++) {
         m[r] = -1e30f; /* finite, so the first rescale is exp(-huge) on zeros, never NaN */
         l[r] = 0.f;
@@ -72,7 +74,7 @@ INLINE void rows4(const uint32_t *const qrow[4], const uint32_t *kv, const float
             const float tmax = _mm512_reduce_max_ps(s);
             const float mnew = tmax > m[r] ? tmax : m[r];
             const __m512 pv = _mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
-            _mm512_store_ps(p[r], pv);
+            _mm256_store_si256((__m256i *)pp[r], (__m256i)_mm512_cvtneps_pbh(pv));
             const float c = expf(m[r] - mnew);
             corr[r] = _mm512_set1_ps(c);
             l[r] = l[r] * c + _mm512_reduce_add_ps(pv);
@@ -82,16 +84,16 @@ INLINE void rows4(const uint32_t *const qrow[4], const uint32_t *kv, const float
             for (int c = 0; c < DV; c++)
                 o[r][c] = _mm512_mul_ps(o[r][c], corr[r]);
         const int tend = kmax - t0 + 1 < 16 ? kmax - t0 + 1 : 16;
-        for (int j = 0; j < tend; j++) {
-            const float *vrow = vf + (size_t)(t0 + j) * D;
-            __m512 pj[4];
+        for (int j = 0; j < (tend + 1) / 2; j++) {  /* a pair past the keys holds zeros, p = 0 */
+            const uint32_t *vpair = vp + (size_t)(t0 / 2 + j) * D;
+            __m512bh pj[4];
             for (int r = 0; r < 4; r++)
-                pj[r] = _mm512_set1_ps(p[r][j]);
+                pj[r] = (__m512bh)_mm512_set1_epi32((int)pp[r][j]);
             for (int c = 0; c < DV; c++) {
-                const __m512 v = _mm512_load_ps(vrow + 16 * c);
+                const __m512bh v = (__m512bh)_mm512_load_si512(vpair + 16 * c);
                 for (int r = 0; r < 4; r++)
                     if (r < nr)
-                        o[r][c] = _mm512_fmadd_ps(pj[r], v, o[r][c]);
+                        o[r][c] = _mm512_dpbf16_ps(o[r][c], v, pj[r]);
             }
         }
     }
@@ -105,7 +107,7 @@ INLINE void rows4(const uint32_t *const qrow[4], const uint32_t *kv, const float
 INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                              const int32_t *tables, const int32_t *lens, const int32_t *qstart,
                              float *out, prefill_task tk, int Hq, int Hkv, int D, int BS, int MB,
-                             float scale, int window, uint32_t *kv, float *vf) {
+                             float scale, int window, uint32_t *kv, uint32_t *vp) {
     const int G = Hq / Hkv, DP = D / 2;
     const int L = lens[tk.s];
     const int q_len = qstart[tk.s + 1] - qstart[tk.s];
@@ -117,14 +119,18 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
     first -= first % 16;
     const int n_keys = last + 1 - first;
     const int n_tiles = (n_keys + 15) / 16;
-    /* K -> VNNI tiles (tile, dim pair, key); keys past `last` are zeros. V -> fp32 rows. */
+    /* K -> VNNI tiles (tile, dim pair, key); V -> key pairs (pair, dim): the low half of each
+     * word is the even key. Keys past `last` are zeros in both. */
     for (int kt = 0; kt < n_tiles; kt++) {
         uint32_t *tile = kv + (size_t)kt * DP * 16;
         for (int j = 0; j < 16; j++) {
             const int t = first + kt * 16 + j;
+            uint32_t *vd = vp + (size_t)(kt * 8 + j / 2) * D;
             if (t > last) {
                 for (int pi = 0; pi < DP; pi++)
                     tile[(size_t)pi * 16 + j] = 0;
+                if (j % 2 == 0)
+                    memset(vd, 0, sizeof(uint32_t) * D);
                 continue;
             }
             const int blk = tables[(size_t)tk.s * MB + t / BS];
@@ -132,10 +138,12 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
             const uint16_t *vrow = vc + (((size_t)blk * BS + t % BS) * Hkv + tk.h) * D;
             for (int pi = 0; pi < DP; pi++)
                 tile[(size_t)pi * 16 + j] = krow[pi];
-            float *vd = vf + (size_t)(t - first) * D;
-            for (int c = 0; c < D; c += 16)
-                _mm512_store_ps(vd + c, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + c))), 16)));
+            for (int c = 0; c < D; c += 16) {
+                const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + c)));
+                __m512i *dst = (__m512i *)(vd + c);
+                _mm512_store_si512(dst, j % 2 ? _mm512_or_si512(_mm512_load_si512(dst), _mm512_slli_epi32(w, 16))
+                                              : w);
+            }
         }
     }
     for (int g = 0; g < G; g++) {
@@ -153,7 +161,7 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
                 const int l0 = window > 0 ? base + ii - window + 1 - first : 0;
                 lo[r] = l0 > 0 ? l0 : 0;
             }
-            rows4(qrow, kv, vf, nr, qpos, lo, scale, D, orow);
+            rows4(qrow, kv, vp, nr, qpos, lo, scale, D, orow);
         }
     }
 }
@@ -183,26 +191,26 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
-        /* per-thread buffers sized for the longest context: K tiles (bf16 pairs), V rows (fp32) */
+        /* per-thread buffers sized for the longest context: K tiles and V key pairs (bf16 pairs) */
         uint32_t *kv = aligned_alloc(64, ((size_t)maxkeys * D * 2 + 63) / 64 * 64);
-        float *vf = aligned_alloc(64, ((size_t)maxkeys * D * 4 + 63) / 64 * 64);
-        if (!kv || !vf) {
+        uint32_t *vp = aligned_alloc(64, ((size_t)maxkeys * D * 2 + 63) / 64 * 64);
+        if (!kv || !vp) {
             _Pragma("omp atomic write")
             failed = 1;
         }
         _Pragma("omp for schedule(dynamic, 1)")
         for (int i = 0; i < n; i++) {
-            if (!kv || !vf)
+            if (!kv || !vp)
                 continue;
             if (D == 64)
                 prefill_task_run(q, kc, vc, tables, lens, qstart, out, tasks[i], Hq, Hkv, 64, BS, MB,
-                                 scale, window, kv, vf);
+                                 scale, window, kv, vp);
             else
                 prefill_task_run(q, kc, vc, tables, lens, qstart, out, tasks[i], Hq, Hkv, D, BS, MB,
-                                 scale, window, kv, vf);
+                                 scale, window, kv, vp);
         }
         free(kv);
-        free(vf);
+        free(vp);
     }
     free(tasks);
     return failed ? -1 : 0;

@@ -15,7 +15,8 @@ import torch
 from kernels import backend, cpu_ops
 from kernels import reference as ref
 
-_OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+_OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+        "silu_and_mul", "write_kv_cache", "argmax_rows")
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler to build the native kernels")
 
 
@@ -98,6 +99,15 @@ def test_decode_rounds_an_fp32_query_to_a_bf16_cache_like_the_reference(kt) -> N
     got = cpu_ops.paged_decode_attention(*args)
     assert got.dtype == torch.float32
     kt.assert_close(got, ref.paged_decode_attention(*args), torch.bfloat16, "vs reference")
+
+
+def test_decode_bf16_in_and_out_is_the_fp32_path_rounded(kt, native_only) -> None:
+    """bf16 queries go to the kernel as they are and come back rounded there: bit for bit what
+    the fp32 call followed by torch's rounding gives."""
+    b = kt.make_paged_batch(7, [90, 3, 33, 16, 1], [1] * 5, 9, 3, 64, 16, torch.bfloat16)
+    got = cpu_ops.paged_decode_attention(*_args(b))
+    want = cpu_ops.paged_decode_attention(b.query.float(), *_args(b)[1:]).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 # --- prefill attention (bf16 caches run natively; the rest is the reference) ---------------------
@@ -289,3 +299,69 @@ def test_backend_picks_native_elementwise_on_cpu(monkeypatch) -> None:
     monkeypatch.delenv("BATON_KERNEL_BACKEND", raising=False)
     for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         assert backend.select(op, torch.device("cpu")) is getattr(cpu_ops, op)
+
+
+# --- KV cache write and row argmax -------------------------------------------------------------
+
+@_DTYPES
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700: split over threads
+def test_write_kv_cache_matches_reference(native_only, dtype, tokens: int) -> None:
+    """Values as a strided view of a fused QKV output (as the model passes them), negative slots skipped."""
+    gen = torch.Generator().manual_seed(tokens)
+    blocks, bs, hkv, d = 64, 16, 3, 64
+    qkv = torch.randn(tokens, (9 + 2 * hkv) * d, generator=gen).to(dtype)
+    key = qkv[:, 9 * d:(9 + hkv) * d].contiguous().view(tokens, hkv, d)
+    value = qkv[:, (9 + hkv) * d:].view(tokens, hkv, d)
+    assert tokens == 1 or value.stride(0) == qkv.shape[1]  # rows of the fused output, not copied
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+    slots[::4] = -1
+    start = torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype)
+    got_k, got_v, want_k, want_v = start.clone(), start.clone(), start.clone(), start.clone()
+    cpu_ops.write_kv_cache(key, value, got_k, got_v, slots)
+    ref.write_kv_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert torch.equal(got_v.view(-1, hkv, d)[slots[slots >= 0]], value[slots >= 0])
+
+
+def test_write_kv_cache_edge_inputs_behave_like_the_reference() -> None:
+    cache = torch.zeros(4, 8, 2, 16)
+    k = torch.ones(3, 2, 16)
+    with pytest.raises((IndexError, RuntimeError)):  # a slot past the cache: the reference's error
+        cpu_ops.write_kv_cache(k, k, cache, cache.clone(), torch.tensor([0, 1, 32]))
+    # an fp32 key into a bf16 cache converts like the reference; int32 slots work
+    got, want = torch.zeros(4, 8, 2, 16, dtype=torch.bfloat16), torch.zeros(4, 8, 2, 16, dtype=torch.bfloat16)
+    x = torch.randn(3, 2, 16)
+    slots = torch.tensor([5, 0, 31], dtype=torch.int32)
+    cpu_ops.write_kv_cache(x, x, got, got.clone(), slots)
+    ref.write_kv_cache(x, x, want, want.clone(), slots)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (33, 1000), (4, 17), (2, 1)])
+def test_argmax_rows_matches_torch(native_only, rows: int, cols: int) -> None:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols))
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_ties_nan_inf_and_strided_rows(native_only) -> None:
+    x = torch.full((5, 100), -float("inf"))
+    x[1, [7, 40, 99]] = 3.0  # ties: the first index
+    x[2, 50] = float("nan")  # NaN wins, as in torch
+    x[2, 60] = float("inf")
+    x[3, 99] = float("inf")  # in the scalar tail
+    x[4, [0, 98]] = 1.0
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
+    assert cpu_ops.argmax_rows(x).tolist() == [0, 7, 50, 99, 0]
+    wide = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    view = wide[::2, 10:250]  # strided rows: no copy
+    assert torch.equal(cpu_ops.argmax_rows(view), view.argmax(-1))
+
+
+def test_backend_argmax_rows_is_native_on_cpu_unless_torch_is_forced(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(cpu_ops, "argmax_rows", lambda x: calls.append(1) or ref.argmax_rows(x))
+    monkeypatch.delenv("BATON_KERNEL_BACKEND", raising=False)
+    x = torch.randn(2, 50)
+    assert torch.equal(backend.argmax_rows(x), x.argmax(-1)) and calls == [1]
+    monkeypatch.setenv("BATON_KERNEL_BACKEND", "torch")
+    assert torch.equal(backend.argmax_rows(x), x.argmax(-1)) and calls == [1]
