@@ -78,12 +78,13 @@ class ModelRunner:
         self.apply_swaps(out)
         self.apply_block_copies(out.block_copies)
         input_ids, positions, meta, sample_idx = self._prepare(out, block_table)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows = None
+        if len(sample_idx) != input_ids.shape[0]:  # prefill chunks: only the sampled rows go past attention
+            rows = torch.tensor(sample_idx, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, rows)
         if not sample_idx:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        if len(sample_idx) == hidden.shape[0]:
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)])
+        return self.model.compute_logits(hidden)
 
     def _prepare(self, out: SchedulerOutput, block_table: Callable[[str], list[int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -45,14 +45,15 @@ class LlamaAttention(nn.Module):
                       self.num_kv_heads * self.head_dim]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's K/V goes to the cache; with ``keep`` only those rows' outputs are projected."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
-        return self.o_proj(out.view(t, -1))
+        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta).view(t, -1)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class LlamaMLP(nn.Module):
@@ -76,13 +77,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, meta: AttentionMetadata, keep: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With ``keep`` (row indices) the outputs are those rows only: past attention nothing else
+        depends on the other tokens."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(positions, x, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -134,11 +140,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states, of every token or (``output_rows``) of those rows only.
+
+        Only the rows that are sampled need the last layer past its attention: in a prefill chunk
+        that skips the last layer's o_proj and MLP for all but one token per prompt (about 3% of a
+        30-layer model's prefill FLOPs), as llama.cpp does for its unused outputs.
+        """
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(positions, x, residual, cache, meta, output_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
