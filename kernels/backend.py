@@ -90,10 +90,6 @@ fused_add_rms_norm = _dispatcher("fused_add_rms_norm")
 rotary_embedding = _dispatcher("rotary_embedding")
 silu_and_mul = _dispatcher("silu_and_mul")
 
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, first maximal index (``kernels.reference.argmax_rows``): native on CPU
-    (torch's CPU argmax is a scalar loop), torch's own fused reduction on GPUs."""
-    if x.device.type == "cpu" and forced() != "torch":
-        return cpu_ops.argmax_rows(x)
-    return reference.argmax_rows(x)
+# Dispatched like the ops above but not listed in _OPS (the set every backend must implement as a
+# kernel): on GPUs torch's fused reduction is the implementation, triton_ops re-exports it.
+argmax_rows = _dispatcher("argmax_rows")

@@ -129,10 +129,8 @@ def paged_decode_attention(
     # is rounded to the cache dtype, as the reference does, and passed as fp32.
     io_bf16 = query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
     q = query.contiguous() if io_bf16 else query.to(k_cache.dtype).float().contiguous()
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.is_contiguous() else (
-        block_tables.to(torch.int32).contiguous())
-    lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else (
-        seq_lens.to(torch.int32).contiguous())
+    tables = block_tables.to(torch.int32).contiguous()  # both no-ops when they already are
+    lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty((num_seqs, hq, d), dtype=torch.bfloat16 if io_bf16 else torch.float32)
     if getattr(lib, _KERNELS[k_cache.dtype])(
             q.data_ptr(), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), tables.data_ptr(),
@@ -231,8 +229,7 @@ def write_kv_cache(
             and k_cache.shape == v_cache.shape and _token_rows(key) and _token_rows(value)
             and key.shape == value.shape and key.shape[1:] == k_cache.shape[2:] and key.is_cpu and value.is_cpu
             and slot_mapping.is_cpu and slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0]):
-        slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else (
-            slot_mapping.to(torch.int64).contiguous())
+        slots = slot_mapping.to(torch.int64).contiguous()
         t = key.shape[0]
         nslots = k_cache.shape[0] * k_cache.shape[1]
         # nonzero: a slot past the cache, left to the reference to raise its indexing error

@@ -22,21 +22,11 @@
 #define PAR_MIN_ELEMS 24576 /* below this a parallel region costs more than the work it splits */
 
 INLINE float ld(const void *p, int64_t i, int dt) {
-    if (!dt)
-        return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return dt ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-
 INLINE float round_dt(float f, int dt) {
-    if (!dt)
-        return f;
-    const uint32_t bits = (uint32_t)to_bf16_bits(f) << 16;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return dt ? bf16_to_f32(to_bf16_bits(f)) : f;
 }
 
 INLINE void st(void *p, int64_t i, float f, int dt) {

@@ -6,7 +6,8 @@
  *
  * Contract of paged_decode_{bf16,f32}: q is fp32 [S, Hq, D] already rounded to the cache dtype
  * and out fp32 [S, Hq, D], or both bf16 with io_bf16 = 1; caches [blocks, BS, Hkv, D]; tables
- * [S, MB] int32 (entries past a sequence are never read). Needs Hq % Hkv == 0, Hq / Hkv <= 16, D <= 256, BS <= 128.
+ * [S, MB] int32 (entries past a sequence are never read). Needs Hq % Hkv == 0, Hq / Hkv <= 16,
+ * D <= 256, BS <= 128.
  * With AVX-512 (and D % 16 == 0; bf16 also D % 32 == 0 when AVX512_BF16 does the dots) a
  * vector kernel runs; otherwise the portable loop below.
  */
@@ -26,12 +27,6 @@
 #define PF_BLOCKS 2 /* prefetch distance in blocks: 2 measures best, 3 within 5%, 1 too late */
 #endif
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 #define DEFINE_DECODE(NAME, T, LOAD)                                                            \
 static void NAME(const float *restrict q, const T *restrict kc, const T *restrict vc,           \
@@ -424,10 +419,8 @@ static int decode_io(decode_fn fn, const void *q, const void *kc, const void *vc
         free(of);
         return -1;
     }
-    for (size_t i = 0; i < n; i++) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)q)[i] << 16;
-        memcpy(&qf[i], &bits, sizeof bits);
-    }
+    for (size_t i = 0; i < n; i++)
+        qf[i] = bf16_to_f32(((const uint16_t *)q)[i]);
     fn(qf, kc, vc, tables, lens, of, S, Hq, Hkv, D, BS, MB, scale, window, nthreads);
     for (size_t i = 0; i < n; i++)
         ((uint16_t *)out)[i] = to_bf16_bits(of[i]);
