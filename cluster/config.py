@@ -23,6 +23,10 @@ class EngineSection(BaseModel):
     max_num_batched_tokens: int = Field(1024, ge=1)
     enable_prefix_caching: bool = True
     threads_per_worker: int = Field(1, ge=1)
+    openmp_wait: Literal["auto", "spin", "passive"] = Field(
+        "auto", description="how a worker's idle OpenMP threads wait: spin (libgomp's default, "
+        "bounded) when every worker thread has a core of its own, passive (sleep) when they share; "
+        "auto picks by the pools' thread count against the CPUs")
 
 
 class PoolsSection(BaseModel):

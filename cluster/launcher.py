@@ -32,6 +32,34 @@ def init_ray(config: ClusterConfig, num_cpus: int | None = None) -> bool:
     return True
 
 
+def openmp_wait_env(config: ClusterConfig, num_workers: int) -> dict[str, str]:
+    """Workers' OpenMP wait policy, as environment variables.
+
+    Spinning (libgomp's default: ~300k spins, then sleep) keeps a decode step's ~200 parallel
+    regions from each waking a sleeping thread (55-75 us each on a VM, ~20% of the step). But
+    when workers share cores a spinning thread burns the core its partner or another worker
+    needs, so there threads sleep at once (passive). ``auto`` spins only when every worker
+    thread has a core: Ray reserves ``cpus_per_worker`` >= threads for each, or the local
+    deployment's threads fit this machine's CPUs. An ``OMP_WAIT_POLICY`` set by the user wins.
+    """
+    if "OMP_WAIT_POLICY" in os.environ:
+        return {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    wait = config.engine.openmp_wait
+    if wait == "auto":
+        threads = config.engine.threads_per_worker
+        reserved = config.pools.cpus_per_worker >= threads
+        local_fit = config.ray.address is None and num_workers * threads <= _usable_cpus()
+        wait = "spin" if reserved or local_fit else "passive"
+    return {} if wait == "spin" else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class Cluster:
     """The worker actors of one deployment. ``start`` blocks until every worker has loaded its model."""
 
@@ -54,11 +82,10 @@ class Cluster:
 
         self._started_ray = init_ray(self.config)
         eng = self.config.engine
-        engine_kwargs = eng.model_dump(exclude={"threads_per_worker"})
+        engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait"})
         threads = eng.threads_per_worker
-        # Passive OpenMP waits: workers share cores, and a spinning idle pool steals them from the busy one.
-        env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "GLOO_SOCKET_IFNAME": "lo",
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false",
+               **openmp_wait_env(self.config, len(self.roles()))}
         actor_cls = ray.remote(Worker)
         counters: dict[str, int] = {}
         pending = []

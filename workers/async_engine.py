@@ -52,11 +52,16 @@ class AsyncEngine:
 
     Only the loop thread touches the engine; other threads post commands to the inbox.
     ``on_step`` (optional) is called on the loop thread after each step with its deltas.
+    ``engine`` may be a factory: the loop thread then builds the engine (and ``__init__`` waits
+    for it), so that one thread does all of the model's compute, loading included. That keeps
+    the process at one OpenMP team, which libgomp needs to spin-wait (see ``kernels.openmp``).
     """
 
-    def __init__(self, engine: EngineCore, on_step: Callable[[list[TokenDelta]], None] | None = None,
+    def __init__(self, engine: EngineCore | Callable[[], EngineCore],
+                 on_step: Callable[[list[TokenDelta]], None] | None = None,
                  idle_wait_s: float = 0.05) -> None:
-        self.engine = engine
+        factory = engine if callable(engine) and not isinstance(engine, EngineCore) else None
+        self.engine = engine if factory is None else None
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._inbox: list[Callable[[], None]] = []
@@ -65,8 +70,13 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(factory, built), name="baton-engine",
+                                        daemon=True)
         self._thread.start()
+        built.wait()
+        if self.engine is None:  # the factory raised: its error, as is, to the caller
+            raise self._error
 
     # ------------------------------------------------------------------ public API
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -174,7 +184,15 @@ class AsyncEngine:
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}") from self._error
 
-    def _run(self) -> None:
+    def _run(self, factory: Callable[[], EngineCore] | None, built: threading.Event) -> None:
+        try:
+            if factory is not None:
+                self.engine = factory()
+        except BaseException as exc:
+            self._error = exc
+            return
+        finally:
+            built.set()
         engine = self.engine
         try:
             while not self._stop:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kernels import openmp
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, SchedulerConfig
 from workers.errors import BatonError, OutOfBlocksError
@@ -49,13 +50,19 @@ class Worker:
         engine = dict(engine)
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         sched = SchedulerConfig(**{k: engine.pop(k) for k in list(engine) if k in sched_keys})
-        core, self.tokenizer, self.model_path = build_engine(EngineConfig(scheduler=sched, **engine))
-        self.core = core
+        config = EngineConfig(scheduler=sched, **engine)
+
+        def build() -> Any:
+            core, self.tokenizer, self.model_path = build_engine(config)
+            return core
+
         # One outbox per front (HTTP replica): a request's deltas go to the front that sent it.
         self._outboxes: dict[str, list[TokenDelta]] = {}
         self._owner: dict[str, list[Any]] = {}  # request id -> [front id, samples not finished]
         self._out_cv = threading.Condition()
-        self.engine = AsyncEngine(core, on_step=self._on_step)
+        # Built on the loop thread: every parallel region of the model runs on that one thread.
+        self.engine = AsyncEngine(build, on_step=self._on_step)
+        self.core = core = self.engine.engine
         self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
         self.peers: dict[str, Any] = {}
         self._pairs: dict[str, PairGroup] = {}
@@ -64,7 +71,10 @@ class Worker:
         self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
         self._cancelled: dict[str, float] = {}  # ids aborted before their KV arrived (decode role)
         self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
-        self._shipper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-ship")
+        # KV copies on side threads run serially: a team of their own would throttle the loop
+        # thread's OpenMP waits for good (kernels.openmp).
+        self._shipper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-ship",
+                                           initializer=openmp.serial_here)
         self.transfer_log: list[float] = []
 
     # ------------------------------------------------------------------ front-facing
@@ -312,6 +322,7 @@ class Worker:
     def receive_kv(self, peer_id: str, member_id: str, blocks: list[int]) -> int:
         """Receive the blocks the sender is pushing now into ``blocks`` (reserved by
         ``reserve_incoming``), then start decoding the request."""
+        openmp.serial_here()  # a Ray thread: see _shipper
         try:
             nbytes = self.transfer.recv_blocks(self._pairs[peer_id], blocks, transfer_id=transfer_key(member_id))
         except Exception:
@@ -321,6 +332,7 @@ class Worker:
         return nbytes
 
     def receive_kv_packed(self, member_id: str, blocks: list[int], payload: Any) -> int:
+        openmp.serial_here()
         self.transfer.unpack_blocks(blocks, payload)
         self._admit(member_id)
         return int(getattr(payload, "nbytes", 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -91,3 +92,36 @@ def test_n_samples_finishing_in_the_same_step_all_arrive(async_engine):
         return finished
 
     assert asyncio.run(asyncio.wait_for(main(), 30)) == {0: "length", 1: "length", 2: "length"}
+
+
+def test_a_factory_builds_the_engine_on_the_loop_thread(tiny_model_dir):
+    """The Worker passes a factory so that model loading and every step share one thread."""
+    from workers.config import EngineConfig
+    from workers.llm import build_engine
+
+    built_on: list[str] = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return build_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=8,
+                                         num_kv_blocks=NUM_BLOCKS))[0]
+
+    eng = AsyncEngine(build)
+    try:
+        assert built_on == ["baton-engine"]
+
+        async def run() -> list[int]:
+            return await _collect(eng, "f0", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+
+        assert len(asyncio.run(run())) == 3
+        assert eng.call(lambda e: threading.current_thread().name) == "baton-engine"
+    finally:
+        eng.shutdown()
+
+
+def test_a_failing_factory_raises_its_own_error():
+    def build():
+        raise FileNotFoundError("no model here")
+
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        AsyncEngine(build)
