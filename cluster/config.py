@@ -23,10 +23,12 @@ class EngineSection(BaseModel):
     max_num_batched_tokens: int = Field(1024, ge=1)
     enable_prefix_caching: bool = True
     threads_per_worker: int = Field(1, ge=1)
-    openmp_wait: Literal["auto", "spin", "passive"] = Field(
-        "auto", description="how a worker's idle OpenMP threads wait: spin (libgomp's default, "
-        "bounded) when every worker thread has a core of its own, passive (sleep) when they share; "
-        "auto picks by the pools' thread count against the CPUs")
+    openmp_wait: Literal["auto", "spin", "passive", "share"] = Field(
+        "auto", description="how workers' OpenMP threads use the cores: spin (libgomp's default, "
+        "bounded spin-waits) where every worker thread has a core of its own; share: local workers "
+        "whose threads outnumber the cores take turns at them, step by step, and spin; passive: fixed "
+        "teams that sleep at every wait; auto: spin where threads fit the cores, share locally, "
+        "passive on a cluster without CPU reservations")
 
 
 class PoolsSection(BaseModel):

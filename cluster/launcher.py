@@ -9,6 +9,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.pool_client import WorkerRef
+from workers.core_share import create_board
 from workers.validation import RequestLimits
 
 log = logging.getLogger("baton.launcher")
@@ -32,25 +33,31 @@ def init_ray(config: ClusterConfig, num_cpus: int | None = None) -> bool:
     return True
 
 
-def openmp_wait_env(config: ClusterConfig, num_workers: int) -> dict[str, str]:
-    """Workers' OpenMP wait policy, as environment variables.
+def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str, str]]:
+    """How the workers' OpenMP threads wait: (mode, environment for the workers).
 
     Spinning (libgomp's default: ~300k spins, then sleep) keeps a decode step's ~200 parallel
-    regions from each waking a sleeping thread (55-75 us each on a VM, ~20% of the step). But
-    when workers share cores a spinning thread burns the core its partner or another worker
-    needs, so there threads sleep at once (passive). ``auto`` spins only when every worker
-    thread has a core: Ray reserves ``cpus_per_worker`` >= threads for each, or the local
-    deployment's threads fit this machine's CPUs. An ``OMP_WAIT_POLICY`` set by the user wins.
+    regions from each waking a sleeping thread (55-75 us each on a VM, ~20% of the step). It
+    needs a core per spinning thread. Where local workers' threads outnumber the cores, ``share``
+    keeps spinning but each step waits for its turn at the cores (``workers.core_share``), so
+    running threads never outnumber them. ``passive`` (sleep at
+    once) is for a cluster whose cores this process cannot see, without ``cpus_per_worker``
+    reservations. An ``OMP_WAIT_POLICY`` set by the user is passed on as it is.
     """
     if "OMP_WAIT_POLICY" in os.environ:
-        return {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
-    wait = config.engine.openmp_wait
-    if wait == "auto":
+        return "user", {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    mode = config.engine.openmp_wait
+    if mode == "auto":
         threads = config.engine.threads_per_worker
-        reserved = config.pools.cpus_per_worker >= threads
-        local_fit = config.ray.address is None and num_workers * threads <= _usable_cpus()
-        wait = "spin" if reserved or local_fit else "passive"
-    return {} if wait == "spin" else {"OMP_WAIT_POLICY": "PASSIVE"}
+        local = config.ray.address is None
+        if config.pools.cpus_per_worker >= threads or (local and num_workers * threads <= _usable_cpus()):
+            mode = "spin"
+        else:
+            mode = "share" if local else "passive"
+    if mode == "share" and config.ray.address is not None:
+        raise ValueError("engine.openmp_wait = 'share' needs a local deployment (its board is a file "
+                         "on this machine); on a cluster reserve cores with pools.cpus_per_worker")
+    return mode, ({"OMP_WAIT_POLICY": "PASSIVE"} if mode == "passive" else {})
 
 
 def _usable_cpus() -> int:
@@ -68,6 +75,7 @@ class Cluster:
         self.workers: list[WorkerRef] = []
         self.controller: Any = None
         self._started_ray = False
+        self._board: Path | None = None  # the core-share board of workers sharing this machine
 
     def roles(self) -> list[str]:
         p = self.config.pools
@@ -84,19 +92,25 @@ class Cluster:
         eng = self.config.engine
         engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait"})
         threads = eng.threads_per_worker
+        roles = self.roles()
+        mode, omp_env = openmp_plan(self.config, len(roles))
         env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false",
-               **openmp_wait_env(self.config, len(self.roles()))}
+               **omp_env}
+        if mode == "share":
+            self._board = create_board(len(roles))
         actor_cls = ray.remote(Worker)
         counters: dict[str, int] = {}
         pending = []
-        for role in self.roles():
+        for slot, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             wid = f"{role}-{counters[role] - 1}"
+            share = ({"path": str(self._board), "slot": slot, "cores": _usable_cpus()}
+                     if self._board is not None else None)
             handle = actor_cls.options(
                 num_cpus=self.config.pools.cpus_per_worker, max_concurrency=32,
                 runtime_env={"env_vars": env}, name=None,
             ).remote(wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
-                     self.config.kv_transfer.timeout_s)
+                     self.config.kv_transfer.timeout_s, core_share=share)
             pending.append((wid, role, handle))
         infos = ray.get([h.info.remote() for _, _, h in pending])
         self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]
@@ -126,6 +140,9 @@ class Cluster:
         """Shut every worker down and stop Ray if this cluster started it. Idempotent."""
         import ray
 
+        if self._board is not None:  # workers that still map it keep their mapping
+            self._board.unlink(missing_ok=True)
+            self._board = None
         if not ray.is_initialized():
             return
         for w in self.workers:

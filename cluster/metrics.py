@@ -74,6 +74,8 @@ class Metrics:
         self.kv_transfer_seconds = Histogram("baton:kv_transfer_seconds", "Time to ship one request's KV",
                                              w, buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_transfer_bytes = Counter("baton:kv_transfer_bytes", "Bytes of KV shipped", w, registry=r)
+        self.core_wait = Counter("baton:core_wait_seconds", "Seconds the worker's steps waited for their "
+                                 "turn at cores it shares with co-located workers", w, registry=r)
         self.worker_up = Gauge("baton:worker_up", "1 while the worker answers health checks", w, registry=r)
         self._counters: dict[tuple[str, str], _WorkerCounters] = {}
 
@@ -120,6 +122,8 @@ class Metrics:
             c.delta("tp", stats.num_prefill_tokens_computed))
         self.tokens_computed.labels(role, worker, "decode").inc(
             c.delta("td", stats.num_decode_tokens_computed))
+        if stats.extra and "core_wait_seconds" in stats.extra:
+            self.core_wait.labels(role, worker).inc(c.delta("cw", stats.extra["core_wait_seconds"]))
         transfer = stats.extra.get("kv_transfer") if stats.extra else None
         if transfer:
             self.kv_transfer_bytes.labels(role, worker).inc(c.delta("b", transfer.get("bytes", 0)))

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.core_share import CoreShare
 from workers.engine import EngineCore
 from workers.outputs import TokenDelta
 from workers.sampling_params import SamplingParams
@@ -55,11 +56,14 @@ class AsyncEngine:
     ``engine`` may be a factory: the loop thread then builds the engine (and ``__init__`` waits
     for it), so that one thread does all of the model's compute, loading included. That keeps
     the process at one OpenMP team, which libgomp needs to spin-wait (see ``kernels.openmp``).
+    ``core_share`` (optional): each step first waits for its turn at cores this worker shares
+    with others on the machine (``workers.core_share``).
     """
 
     def __init__(self, engine: EngineCore | Callable[[], EngineCore],
                  on_step: Callable[[list[TokenDelta]], None] | None = None,
-                 idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.05, core_share: CoreShare | None = None) -> None:
+        self.core_share = core_share
         factory = engine if callable(engine) and not isinstance(engine, EngineCore) else None
         self.engine = engine if factory is None else None
         self.on_step = on_step
@@ -190,10 +194,12 @@ class AsyncEngine:
                 self.engine = factory()
         except BaseException as exc:
             self._error = exc
+            if self.core_share is not None:
+                self.core_share.close()
             return
         finally:
             built.set()
-        engine = self.engine
+        engine, share = self.engine, self.core_share
         try:
             while not self._stop:
                 with self._lock:
@@ -204,7 +210,14 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     self._wake.wait(self.idle_wait_s)
                     continue
-                deltas = engine.step()
+                if share is None:
+                    deltas = engine.step()
+                else:
+                    share.before_step()
+                    try:
+                        deltas = engine.step()
+                    finally:
+                        share.after_step()
                 if deltas:
                     self._dispatch(deltas)
         except BaseException as exc:  # surface to every waiting stream instead of hanging them
@@ -213,6 +226,9 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {exc!r}"))
             self._streams.clear()
             raise
+        finally:
+            if share is not None:
+                share.close()
 
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         if self.on_step is not None:

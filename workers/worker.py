@@ -24,6 +24,7 @@ import torch
 from kernels import openmp
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, SchedulerConfig
+from workers.core_share import CoreShare
 from workers.errors import BatonError, OutOfBlocksError
 from workers.kv_transfer import KVTransferEngine, KVTransferError, PairGroup, PairRendezvous, transfer_key
 from workers.llm import build_engine
@@ -40,12 +41,12 @@ class Worker:
 
     def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int = 1,
                  kv_transport: str = "collective", kv_timeout_s: float = 30.0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", core_share: dict[str, Any] | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(threads)
-        self.worker_id, self.role = worker_id, role
+        self.worker_id, self.role, self.threads = worker_id, role, threads
         self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
         engine = dict(engine)
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
@@ -61,7 +62,9 @@ class Worker:
         self._owner: dict[str, list[Any]] = {}  # request id -> [front id, samples not finished]
         self._out_cv = threading.Condition()
         # Built on the loop thread: every parallel region of the model runs on that one thread.
-        self.engine = AsyncEngine(build, on_step=self._on_step)
+        # Workers whose threads outnumber this machine's cores take turns at them (workers.core_share).
+        share = CoreShare(threads=threads, **core_share) if core_share else None
+        self.engine = AsyncEngine(build, on_step=self._on_step, core_share=share)
         self.core = core = self.engine.engine
         self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
         self.peers: dict[str, Any] = {}
@@ -158,7 +161,10 @@ class Worker:
         s = self.engine.stats()
         recent, self.transfer_log = self.transfer_log, []
         out = dict(s.__dict__)
-        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent}}
+        share = self.engine.core_share
+        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent},
+                        "threads": self.threads,
+                        "core_wait_seconds": share.wait_seconds if share is not None else 0.0}
         out["alive"] = self.engine.is_alive
         out["pair_groups"] = len(self._pairs)
         out["tracked_requests"] = len(self._owner)

@@ -1,4 +1,5 @@
-"""The workers' OpenMP wait policy: spin where each worker thread has a core, sleep where they share."""
+"""The workers' OpenMP plan: spin where each worker thread has a core, share the cores where local
+workers outnumber them, sleep on a cluster whose cores are unknown."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 from cluster import launcher
 from cluster.config import ClusterConfig
 
-PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+PASSIVE = ("passive", {"OMP_WAIT_POLICY": "PASSIVE"})
+SPIN = ("spin", {})
+SHARE = ("share", {})
 
 
 @pytest.fixture(autouse=True)
@@ -16,41 +19,42 @@ def two_cpus(monkeypatch):
     monkeypatch.setattr(launcher, "_usable_cpus", lambda: 2)
 
 
-def _env(engine: dict, pools: dict, ray: dict | None = None) -> dict[str, str]:
+def _plan(engine: dict, pools: dict, ray: dict | None = None) -> tuple[str, dict[str, str]]:
     config = ClusterConfig.model_validate({"engine": engine, "pools": pools, "ray": ray or {}})
     workers = config.pools.colocated or config.pools.prefill + config.pools.decode
-    return launcher.openmp_wait_env(config, workers)
+    return launcher.openmp_plan(config, workers)
 
 
 def test_one_colocated_worker_on_all_cores_spins():
-    assert _env({"threads_per_worker": 2}, {"colocated": 1}) == {}
+    assert _plan({"threads_per_worker": 2}, {"colocated": 1}) == SPIN
 
 
-def test_pools_sharing_cores_sleep():
-    assert _env({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == PASSIVE
+def test_local_pools_sharing_cores_share_them():
+    assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == SHARE
 
 
 def test_pools_that_fit_the_cores_spin():
-    assert _env({"threads_per_worker": 1}, {"prefill": 1, "decode": 1}) == {}
+    assert _plan({"threads_per_worker": 1}, {"prefill": 1, "decode": 1}) == SPIN
 
 
 def test_reserved_cpus_spin_even_on_a_remote_cluster():
-    assert _env({"threads_per_worker": 2}, {"prefill": 2, "decode": 2, "cpus_per_worker": 2},
-                {"address": "auto"}) == {}
-    assert _env({"threads_per_worker": 2}, {"prefill": 1, "decode": 1, "cpus_per_worker": 1},
+    assert _plan({"threads_per_worker": 2}, {"prefill": 2, "decode": 2, "cpus_per_worker": 2},
+                {"address": "auto"}) == SPIN
+    assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1, "cpus_per_worker": 1},
                 {"address": "auto"}) == PASSIVE
     # a remote cluster's cores are unknown here: without a reservation, sleep
-    assert _env({"threads_per_worker": 1}, {"colocated": 1}, {"address": "auto"}) == PASSIVE
+    assert _plan({"threads_per_worker": 1}, {"colocated": 1}, {"address": "auto"}) == PASSIVE
 
 
 def test_an_explicit_setting_wins_over_auto():
-    assert _env({"threads_per_worker": 2, "openmp_wait": "spin"}, {"prefill": 1, "decode": 1}) == {}
-    assert _env({"threads_per_worker": 1, "openmp_wait": "passive"}, {"colocated": 1}) == PASSIVE
+    assert _plan({"threads_per_worker": 2, "openmp_wait": "spin"}, {"prefill": 1, "decode": 1}) == SPIN
+    assert _plan({"threads_per_worker": 2, "openmp_wait": "passive"}, {"prefill": 1, "decode": 1}) == PASSIVE
+    assert _plan({"threads_per_worker": 1, "openmp_wait": "passive"}, {"colocated": 1}) == PASSIVE
 
 
 def test_the_users_omp_wait_policy_wins(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert _env({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == ("user", {"OMP_WAIT_POLICY": "ACTIVE"})
 
 
 def test_an_unknown_policy_is_a_config_error():

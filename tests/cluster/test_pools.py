@@ -14,19 +14,28 @@ from workers import LLM, SamplingParams
 NUM_BLOCKS = 64
 
 
-def _config(model_dir, **pools) -> ClusterConfig:
+def _config(model_dir, engine: dict | None = None, **pools) -> ClusterConfig:
     return ClusterConfig.model_validate({
-        "engine": {"model": str(model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS},
+        "engine": {"model": str(model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS,
+                   **(engine or {})},
         "pools": pools, "kv_transfer": {"timeout_s": 10},
     })
 
 
+# The pools take turns at the cores (the core-share board), as they do wherever workers'
+# threads outnumber the machine's cores; every disaggregated test below runs through it.
+SHARE = {"openmp_wait": "share"}
+
+
 @pytest.fixture(scope="module")
 def disagg(ray_session, tiny_model_dir):
-    cluster = Cluster(_config(tiny_model_dir, prefill=1, decode=1))
+    cluster = Cluster(_config(tiny_model_dir, SHARE, prefill=1, decode=1))
     cluster.start()
+    board = cluster._board
+    assert board is not None and board.exists()
     yield cluster
     cluster.stop()
+    assert not board.exists()
 
 
 async def _stream(pool: PoolClient, rid: str, prompt, params):
@@ -70,6 +79,7 @@ def test_disaggregated_greedy_equals_offline_engine(disagg, tiny_model_dir):
     assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values())
     assert all(s["tracked_requests"] == 0 for s in stats.values())  # no per-request state left behind
     assert stats["decode-0"]["extra"]["kv_transfer"]["bytes"] > 0
+    assert all(s["extra"]["core_wait_seconds"] >= 0 for s in stats.values())
     assert stats["prefill-0"]["pair_groups"] == 1  # the gloo pair, created on first use
 
 
@@ -141,7 +151,7 @@ def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir):
 
     from workers.errors import OverloadedError
 
-    cluster = Cluster(_config(tiny_model_dir, prefill=1, decode=1))
+    cluster = Cluster(_config(tiny_model_dir, SHARE, prefill=1, decode=1))
     cluster.start()
     prefill = next(w for w in cluster.workers if w.role == "prefill")
     decode = next(w for w in cluster.workers if w.role == "decode")

@@ -1,0 +1,108 @@
+"""The core-share board: steps that fit run side by side, others take turns in asking order,
+and a dead worker never holds the cores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from workers.core_share import RUNNING, WAITING, CoreShare, create_board
+
+
+@pytest.fixture
+def board(tmp_path):
+    def make(slots: int, cores: int, threads: int) -> list[CoreShare]:
+        path = create_board(slots, directory=str(tmp_path))
+        return [CoreShare(path, i, cores=cores, threads=threads) for i in range(slots)]
+    return make
+
+
+def _start(seat: CoreShare, log: list[int], tag: int) -> threading.Thread:
+    def run() -> None:
+        seat.before_step()
+        log.append(tag)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_until(predicate, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_steps_that_fit_run_side_by_side(board):
+    a, b = board(2, cores=4, threads=2)
+    a.before_step()
+    b.before_step()  # 2 + 2 threads fit 4 cores: no wait
+    assert [s[1] for s in a.state()] == [RUNNING, RUNNING]
+    a.after_step()
+    b.after_step()
+
+
+def test_a_step_that_does_not_fit_waits_for_the_running_one(board):
+    a, b = board(2, cores=2, threads=2)
+    a.before_step()
+    log: list[int] = []
+    t = _start(b, log, 1)
+    _wait_until(lambda: a.state()[1][1] == WAITING)
+    assert log == []  # still waiting: a holds both cores
+    a.after_step()
+    t.join(5)
+    assert log == [1] and a.state()[1][1] == RUNNING
+    b.after_step()
+    assert b.wait_seconds > 0
+
+
+def test_busy_workers_alternate_in_asking_order(board):
+    a, b = board(2, cores=2, threads=2)
+    a.before_step()
+    log: list[int] = []
+    tb = _start(b, log, 1)
+    _wait_until(lambda: a.state()[1][1] == WAITING)
+    a.after_step()
+    ta = _start(a, log, 0)  # a asks again at once, but b asked first
+    tb.join(5)
+    _wait_until(lambda: a.state()[0][1] == WAITING)
+    assert log == [1]
+    b.after_step()
+    ta.join(5)
+    assert log == [1, 0]
+    a.after_step()
+
+
+def test_a_team_larger_than_the_machine_asks_for_all_of_it(board):
+    [a] = board(1, cores=2, threads=8)
+    assert a.threads == 2
+    a.before_step()
+    a.after_step()
+
+
+def test_a_dead_worker_holds_nothing(board, tmp_path):
+    a, b = board(2, cores=2, threads=2)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    from workers import core_share
+
+    # b's slot claims the cores for a process that has exited (killed mid-step)
+    core_share._SLOT.pack_into(b._map, b._offset(1), int(gone.stdout), RUNNING, 1, 2)
+    a.before_step()  # not blocked
+    assert a.state()[0][1] == RUNNING
+    a.after_step()
+
+
+def test_bad_boards_and_slots_are_errors(tmp_path):
+    with pytest.raises(ValueError):
+        create_board(0, directory=str(tmp_path))
+    path = create_board(1, directory=str(tmp_path))
+    with pytest.raises(ValueError, match="slot"):
+        CoreShare(path, 1, cores=2, threads=1)
+    with pytest.raises(ValueError):
+        CoreShare(path, 0, cores=0, threads=1)
