@@ -202,18 +202,14 @@ class AsyncEngine:
         engine, share = self.engine, self.core_share
         try:
             while not self._stop:
-                with self._lock:
-                    commands, self._inbox = self._inbox, []
-                    self._wake.clear()
-                for cmd in commands:
-                    cmd()
+                self._run_commands()
                 if not engine.has_unfinished_requests():
                     self._wake.wait(self.idle_wait_s)
                     continue
                 if share is None:
                     deltas = engine.step()
                 else:
-                    share.before_step()
+                    share.before_step(meanwhile=self._wait_and_run_commands)
                     try:
                         deltas = engine.step()
                     finally:
@@ -229,6 +225,18 @@ class AsyncEngine:
         finally:
             if share is not None:
                 share.close()
+
+    def _run_commands(self) -> None:
+        with self._lock:
+            commands, self._inbox = self._inbox, []
+            self._wake.clear()
+        for cmd in commands:
+            cmd()
+
+    def _wait_and_run_commands(self, seconds: float) -> None:
+        """While waiting for a turn at shared cores: answer commands as they come."""
+        self._wake.wait(seconds)
+        self._run_commands()
 
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         if self.on_step is not None:

@@ -20,6 +20,7 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _HEADER = struct.Struct("q")  # next ticket
@@ -62,8 +63,12 @@ class CoreShare:
         with self._locked():
             self._write(IDLE, 0)
 
-    def before_step(self) -> None:
-        """Block until this worker's step fits the cores, taking turns with earlier askers."""
+    def before_step(self, meanwhile: Callable[[float], None] = time.sleep) -> None:
+        """Block until this worker's step fits the cores, taking turns with earlier askers.
+
+        Between tries it calls ``meanwhile(seconds)``: the engine loop handles its inbox there
+        (KV reservations, admissions, aborts), so a worker waiting for the cores still answers.
+        """
         with self._locked():
             ticket = _HEADER.unpack_from(self._map, 0)[0] + 1
             _HEADER.pack_into(self._map, 0, ticket)
@@ -72,7 +77,7 @@ class CoreShare:
                 return
         started, pause = time.monotonic(), _POLL_S[0]
         while True:
-            time.sleep(pause)
+            meanwhile(pause)
             pause = min(pause * 2, _POLL_S[1])
             with self._locked():
                 if self._admit(ticket):

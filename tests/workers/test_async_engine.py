@@ -125,3 +125,30 @@ def test_a_failing_factory_raises_its_own_error():
 
     with pytest.raises(FileNotFoundError, match="no model here"):
         AsyncEngine(build)
+
+
+def test_a_loop_waiting_for_shared_cores_still_answers_commands(tiny_model_dir, tmp_path):
+    """While another worker holds the cores, the loop keeps handling its inbox (KV reservations,
+    admissions, aborts), then steps once the cores are free."""
+    from workers.core_share import WAITING, CoreShare, create_board
+
+    board = create_board(2, directory=str(tmp_path))
+    other = CoreShare(board, 0, cores=2, threads=2)
+    mine = CoreShare(board, 1, cores=2, threads=2)
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    eng = AsyncEngine(llm.engine, core_share=mine)
+    other.before_step()  # the other worker is mid-step
+    try:
+        async def run() -> list[int]:
+            task = asyncio.create_task(_collect(eng, "w0", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
+            while other.state()[1][1] != WAITING:  # the loop has work and waits for its turn
+                await asyncio.sleep(0.005)
+            assert eng.call(lambda e: e.num_waiting, timeout=5.0) == 1  # answered meanwhile
+            assert not task.done()
+            other.after_step()
+            return await asyncio.wait_for(task, 30)
+
+        assert len(asyncio.run(run())) == 3
+        assert mine.wait_seconds > 0
+    finally:
+        eng.shutdown()
