@@ -23,8 +23,9 @@ def _config(model_dir, engine: dict | None = None, **pools) -> ClusterConfig:
 
 
 # The pools take turns at the cores (the core-share board), as they do wherever workers'
-# threads outnumber the machine's cores; every disaggregated test below runs through it.
-SHARE = {"openmp_wait": "share"}
+# threads outnumber the machine's cores; every disaggregated test below runs through it, with
+# 2 threads per worker so that on a 2-core machine the two pools really alternate.
+SHARE = {"openmp_wait": "share", "threads_per_worker": 2}
 
 
 @pytest.fixture(scope="module")
