@@ -47,12 +47,18 @@ def test_steps_that_fit_run_side_by_side(board):
     b.after_step()
 
 
-def test_a_step_that_does_not_fit_waits_for_the_running_one(board):
+def _a_running_b_waiting(board) -> tuple[CoreShare, CoreShare, list[int], threading.Thread]:
+    """Two workers of 2 threads on 2 cores: a is mid-step, b has asked and waits."""
     a, b = board(2, cores=2, threads=2)
     a.before_step()
     log: list[int] = []
     t = _start(b, log, 1)
     _wait_until(lambda: a.state()[1][1] == WAITING)
+    return a, b, log, t
+
+
+def test_a_step_that_does_not_fit_waits_for_the_running_one(board):
+    a, b, log, t = _a_running_b_waiting(board)
     assert log == []  # still waiting: a holds both cores
     a.after_step()
     t.join(5)
@@ -62,11 +68,7 @@ def test_a_step_that_does_not_fit_waits_for_the_running_one(board):
 
 
 def test_busy_workers_alternate_in_asking_order(board):
-    a, b = board(2, cores=2, threads=2)
-    a.before_step()
-    log: list[int] = []
-    tb = _start(b, log, 1)
-    _wait_until(lambda: a.state()[1][1] == WAITING)
+    a, b, log, tb = _a_running_b_waiting(board)
     a.after_step()
     ta = _start(a, log, 0)  # a asks again at once, but b asked first
     tb.join(5)
