@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -40,9 +41,9 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
     regions from each waking a sleeping thread (55-75 us each on a VM, ~20% of the step). It
     needs a core per spinning thread. Where local workers' threads outnumber the cores, ``share``
     keeps spinning but each step waits for its turn at the cores (``workers.core_share``), so
-    running threads never outnumber them. ``passive`` (sleep at
-    once) is for a cluster whose cores this process cannot see, without ``cpus_per_worker``
-    reservations. An ``OMP_WAIT_POLICY`` set by the user is passed on as it is.
+    running threads never outnumber them. ``passive`` (sleep at once) is for a cluster whose
+    cores this process cannot see, without ``cpus_per_worker`` reservations. An
+    ``OMP_WAIT_POLICY`` set by the user is passed on as it is.
     """
     if "OMP_WAIT_POLICY" in os.environ:
         return "user", {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
@@ -88,19 +89,34 @@ class Cluster:
 
         from workers.worker import Worker
 
-        self._started_ray = init_ray(self.config)
         eng = self.config.engine
         engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait"})
         threads = eng.threads_per_worker
         roles = self.roles()
-        mode, omp_env = openmp_plan(self.config, len(roles))
+        mode, omp_env = openmp_plan(self.config, len(roles))  # config errors before Ray starts
         env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false",
                **omp_env}
-        if mode == "share":
-            self._board = create_board(len(roles))
-        actor_cls = ray.remote(Worker)
+        self._started_ray = init_ray(self.config)
+        pending: list[tuple[str, str, Any]] = []
+        try:
+            if mode == "share":
+                self._board = create_board(len(roles))
+            self._start_workers(Worker, roles, engine_kwargs, threads, env, pending)
+        except BaseException:  # a worker failed to start: leave no actor, board or Ray behind
+            for _, _, handle in pending:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
+            self.workers = []
+            self.stop()
+            raise
+        log.info("workers ready: %s", ", ".join(w.worker_id for w in self.workers))
+
+    def _start_workers(self, worker_cls: type, roles: list[str], engine_kwargs: dict[str, Any], threads: int,
+                       env: dict[str, str], pending: list[tuple[str, str, Any]]) -> None:
+        import ray
+
+        actor_cls = ray.remote(worker_cls)
         counters: dict[str, int] = {}
-        pending = []
         for slot, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             wid = f"{role}-{counters[role] - 1}"

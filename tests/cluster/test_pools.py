@@ -236,3 +236,20 @@ def test_object_store_transport(ray_session, tiny_model_dir):
         assert stats["prefill-0"]["pair_groups"] == 0 and stats["decode-0"]["extra"]["kv_transfer"]["bytes"] > 0
     finally:
         cluster.stop()
+
+
+def test_a_worker_that_fails_to_start_leaves_nothing_behind(ray_session, tmp_path):
+    """A model that is not there: start raises, and no actor or core-share board outlives it."""
+    import glob
+
+    import ray
+
+    boards_before = set(glob.glob("/dev/shm/baton-cores-*"))
+    cluster = Cluster(_config(tmp_path / "no-such-model", SHARE, prefill=1, decode=1))
+    with pytest.raises(ray.exceptions.RayActorError, match="no-such-model"):
+        cluster.start()
+    assert cluster.workers == [] and cluster._board is None
+    assert set(glob.glob("/dev/shm/baton-cores-*")) == boards_before
+    actors = ray._private.state.actors().values()  # from the GCS: no dashboard needed
+    alive = [a for a in actors if a["State"] == "ALIVE" and a["ActorClassName"].endswith("Worker")]
+    assert alive == []
