@@ -31,8 +31,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check cluster workers router kernels tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput.json
-	$(BIN)/python benchmarks/serving_throughput.py --out benchmarks/results/serving_throughput.json
+	$(BIN)/python benchmarks/engine_throughput.py --num-requests 64 --threads 2 --repeat 3 --out benchmarks/results/engine_throughput.json
+	$(BIN)/python benchmarks/serving_throughput.py --num-requests 32 --repeat 3 --out benchmarks/results/serving_throughput.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
