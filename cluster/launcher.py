@@ -116,11 +116,12 @@ class Cluster:
         import ray
 
         actor_cls = ray.remote(worker_cls)
+        cores = _usable_cpus()
         counters: dict[str, int] = {}
         for slot, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             wid = f"{role}-{counters[role] - 1}"
-            share = ({"path": str(self._board), "slot": slot, "cores": _usable_cpus()}
+            share = ({"path": str(self._board), "slot": slot, "cores": cores}
                      if self._board is not None else None)
             handle = actor_cls.options(
                 num_cpus=self.config.pools.cpus_per_worker, max_concurrency=32,

@@ -46,7 +46,7 @@ class Worker:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(threads)
-        self.worker_id, self.role, self.threads = worker_id, role, threads
+        self.worker_id, self.role = worker_id, role
         self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
         engine = dict(engine)
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
@@ -163,7 +163,6 @@ class Worker:
         out = dict(s.__dict__)
         share = self.engine.core_share
         out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent},
-                        "threads": self.threads,
                         "core_wait_seconds": share.wait_seconds if share is not None else 0.0}
         out["alive"] = self.engine.is_alive
         out["pair_groups"] = len(self._pairs)

@@ -80,7 +80,6 @@ def test_disaggregated_greedy_equals_offline_engine(disagg, tiny_model_dir):
     assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values())
     assert all(s["tracked_requests"] == 0 for s in stats.values())  # no per-request state left behind
     assert stats["decode-0"]["extra"]["kv_transfer"]["bytes"] > 0
-    assert all(s["extra"]["core_wait_seconds"] >= 0 for s in stats.values())
     assert stats["prefill-0"]["pair_groups"] == 1  # the gloo pair, created on first use
 
 
