@@ -10,7 +10,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.pool_client import WorkerRef
-from workers.core_share import create_board
+from workers.core_share import create_board, remove_board
 from workers.validation import RequestLimits
 
 log = logging.getLogger("baton.launcher")
@@ -34,6 +34,11 @@ def init_ray(config: ClusterConfig, num_cpus: int | None = None) -> bool:
     return True
 
 
+# ~1 ms of spinning on these CPUs: longer than the gaps between a step's parallel
+# regions, far shorter than libgomp's default (~9 ms) that outlives the step.
+SHARE_SPINCOUNT = "30000"
+
+
 def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str, str]]:
     """How the workers' OpenMP threads wait: (mode, environment for the workers).
 
@@ -44,6 +49,12 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
     running threads never outnumber them. ``passive`` (sleep at once) is for a cluster whose
     cores this process cannot see, without ``cpus_per_worker`` reservations. An
     ``OMP_WAIT_POLICY`` set by the user is passed on as it is.
+
+    Sharing workers also spin shorter after a region (``GOMP_SPINCOUNT``, unless the user set it):
+    libgomp's default spin outlasts the step by ~9 ms on these VMs, on a core the next worker's
+    step is already using, which slowed each step after a turn passed by ~20%
+    (``benchmarks/core_share_handoff.py``). The short spin still bridges the gaps between a
+    step's regions.
     """
     if "OMP_WAIT_POLICY" in os.environ:
         return "user", {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
@@ -58,7 +69,11 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
     if mode == "share" and config.ray.address is not None:
         raise ValueError("engine.openmp_wait = 'share' needs a local deployment (its board is a file "
                          "on this machine); on a cluster reserve cores with pools.cpus_per_worker")
-    return mode, ({"OMP_WAIT_POLICY": "PASSIVE"} if mode == "passive" else {})
+    if mode == "passive":
+        return mode, {"OMP_WAIT_POLICY": "PASSIVE"}
+    if mode == "share":
+        return mode, {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", SHARE_SPINCOUNT)}
+    return mode, {}
 
 
 def _usable_cpus() -> int:
@@ -138,7 +153,6 @@ class Cluster:
         self.controller = ray.remote(GlobalController).options(num_cpus=0, max_concurrency=8).remote(
             self.config.server.max_queued_requests)
         ray.get([self.controller.register.remote(w.worker_id, w.role, w.handle) for w in self.workers])
-        log.info("workers ready: %s", ", ".join(w.worker_id for w in self.workers))
 
     @property
     def model_path(self) -> Path:
@@ -158,7 +172,7 @@ class Cluster:
         import ray
 
         if self._board is not None:  # workers that still map it keep their mapping
-            self._board.unlink(missing_ok=True)
+            remove_board(self._board)
             self._board = None
         if not ray.is_initialized():
             return

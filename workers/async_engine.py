@@ -183,6 +183,8 @@ class AsyncEngine:
         with self._lock:
             self._inbox.append(fn)
         self._wake.set()
+        if self.core_share is not None:  # the loop may be waiting for its turn at the cores
+            self.core_share.ring()
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
@@ -209,7 +211,7 @@ class AsyncEngine:
                 if share is None:
                     deltas = engine.step()
                 else:
-                    share.before_step(meanwhile=self._wait_and_run_commands)
+                    share.before_step(on_wake=self._run_commands)
                     try:
                         deltas = engine.step()
                     finally:
@@ -232,11 +234,6 @@ class AsyncEngine:
             self._wake.clear()
         for cmd in commands:
             cmd()
-
-    def _wait_and_run_commands(self, seconds: float) -> None:
-        """While waiting for a turn at shared cores: answer commands as they come."""
-        self._wake.wait(seconds)
-        self._run_commands()
 
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         if self.on_step is not None:

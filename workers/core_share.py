@@ -10,15 +10,22 @@ step then runs a full team that spins, and no core is ever asked for twice.
 
 The board is a file in shared memory: a ticket counter, then one slot per worker (pid, state,
 ticket, threads). Updates happen under ``flock``; a worker whose pid is gone stops counting.
+Each slot also has a bell, a named pipe: a worker that frees cores rings the bells of those
+waiting, so a turn passes at once. Waiters must not poll: every wake-up of a waiting thread
+preempts a thread of the running step's spinning team, which stalls the whole team (polling
+every millisecond made prefill chunks ~20% slower).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import select
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,18 +33,41 @@ from pathlib import Path
 _HEADER = struct.Struct("q")  # next ticket
 _SLOT = struct.Struct("qqqq")  # pid, state, ticket, threads
 IDLE, WAITING, RUNNING = 0, 1, 2
-_POLL_S = (0.0001, 0.001)  # first and longest sleep between tries while waiting for room
+# A waiter re-reads the board at least this often even when no bell rings: a runner that died
+# mid-step rings none.
+_RECHECK_S = 0.05
 
 
 def create_board(num_slots: int, directory: str | None = None) -> Path:
-    """A zeroed board for ``num_slots`` workers; the caller removes the file when they are gone."""
+    """A zeroed board for ``num_slots`` workers, with their bells; ``remove_board`` deletes it."""
     if num_slots < 1:
         raise ValueError("a core-share board needs at least one slot")
     folder = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     fd, path = tempfile.mkstemp(prefix="baton-cores-", dir=folder)
     with os.fdopen(fd, "wb") as f:
         f.write(bytes(_HEADER.size + _SLOT.size * num_slots))
+    for slot in range(num_slots):
+        os.mkfifo(bell_path(path, slot), 0o600)
     return Path(path)
+
+
+def remove_board(path: str | os.PathLike) -> None:
+    """Delete a board and its bells (workers that still have them open keep working)."""
+    path = Path(path)
+    slots = 0
+    try:
+        slots = (path.stat().st_size - _HEADER.size) // _SLOT.size
+    except FileNotFoundError:
+        pass
+    for slot in range(slots):
+        bell_path(path, slot).unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+
+
+def bell_path(board: str | os.PathLike, slot: int) -> Path:
+    """The named pipe that wakes the worker in ``slot``."""
+    board = Path(board)
+    return board.with_name(f"{board.name}.bell{slot}")
 
 
 class CoreShare:
@@ -60,14 +90,19 @@ class CoreShare:
             self._file.close()
             raise ValueError(f"slot {slot} outside the board's {self.num_slots} slots")
         self.wait_seconds = 0.0  # total time steps waited for room (for stats)
+        # O_RDWR: the pipe always has a writer (no EOF) and opening it never blocks.
+        self._bell = os.open(bell_path(self.path, slot), os.O_RDWR | os.O_NONBLOCK)
+        self._bell_lock = threading.Lock()  # ring() comes from any thread; close() must not race it
+        self._peer_bells: dict[int, int] = {}
         with self._locked():
             self._write(IDLE, 0)
 
-    def before_step(self, meanwhile: Callable[[float], None] = time.sleep) -> None:
+    def before_step(self, on_wake: Callable[[], None] | None = None) -> None:
         """Block until this worker's step fits the cores, taking turns with earlier askers.
 
-        Between tries it calls ``meanwhile(seconds)``: the engine loop handles its inbox there
-        (KV reservations, admissions, aborts), so a worker waiting for the cores still answers.
+        While waiting, ``on_wake()`` runs each time this worker's bell rings (``ring``): the engine
+        loop handles its inbox there (KV reservations, admissions, aborts), so a worker waiting
+        for the cores still answers at once.
         """
         with self._locked():
             ticket = _HEADER.unpack_from(self._map, 0)[0] + 1
@@ -75,30 +110,79 @@ class CoreShare:
             self._write(WAITING, ticket)
             if self._admit(ticket):
                 return
-        started, pause = time.monotonic(), _POLL_S[0]
+        started = time.monotonic()
         while True:
-            meanwhile(pause)
-            pause = min(pause * 2, _POLL_S[1])
+            select.select([self._bell], [], [], _RECHECK_S)
+            self._drain_bell()
+            if on_wake is not None:
+                on_wake()
             with self._locked():
                 if self._admit(ticket):
+                    # a later asker held back only by this one's ticket may fit beside it now
+                    spare = self._free_cores() > 0
+                    waiting = self._waiting_slots() if spare else []
                     break
+        self._ring_peers(waiting)
         self.wait_seconds += time.monotonic() - started
 
     def after_step(self) -> None:
-        """Give the cores back (the next step takes a new turn)."""
+        """Give the cores back (the next step takes a new turn) and wake those waiting for them."""
         with self._locked():
             self._write(IDLE, 0)
+            waiting = self._waiting_slots()
+        self._ring_peers(waiting)
+
+    def ring(self) -> None:
+        """Wake this worker's ``before_step`` wait (from any thread), e.g. for a new command."""
+        with self._bell_lock:
+            if self._bell >= 0:
+                try:
+                    os.write(self._bell, b"\0")
+                except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+                    pass
 
     def state(self) -> list[tuple[int, int, int, int]]:
         """Every slot as (pid, state, ticket, threads): for tests and debugging."""
         return [_SLOT.unpack_from(self._map, self._offset(i)) for i in range(self.num_slots)]
 
     def close(self) -> None:
+        waiting: list[int] = []
         if not self._map.closed:
             with self._locked():
                 self._write(IDLE, 0)
+                waiting = self._waiting_slots()
             self._map.close()
+        self._ring_peers(waiting)
+        with self._bell_lock:
+            for fd in [self._bell, *self._peer_bells.values()]:
+                if fd >= 0:
+                    os.close(fd)
+            self._bell, self._peer_bells = -1, {}
         self._file.close()
+
+    # -- bells ---------------------------------------------------------------------------
+    def _drain_bell(self) -> None:
+        try:
+            while os.read(self._bell, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _ring_peers(self, slots: list[int]) -> None:
+        for slot in slots:
+            fd = self._peer_bells.get(slot)
+            try:
+                if fd is None:
+                    fd = self._peer_bells[slot] = os.open(bell_path(self.path, slot), os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"\0")
+            except BlockingIOError:  # full: that worker has a wake-up pending
+                pass
+            except OSError as exc:  # gone (no reader, board removed): it re-reads the board anyway
+                if exc.errno not in (errno.ENXIO, errno.EPIPE, errno.ENOENT):
+                    raise
+                if fd is not None:
+                    os.close(fd)
+                self._peer_bells.pop(slot, None)
 
     # -- under the lock ------------------------------------------------------------------
     def _admit(self, ticket: int) -> bool:
@@ -117,6 +201,18 @@ class CoreShare:
             return False
         self._write(RUNNING, ticket)
         return True
+
+    def _free_cores(self) -> int:
+        used = 0
+        for i in range(self.num_slots):
+            pid, state, _, threads = _SLOT.unpack_from(self._map, self._offset(i))
+            if state == RUNNING and (i == self.slot or _alive(pid)):
+                used += threads
+        return self.cores - used
+
+    def _waiting_slots(self) -> list[int]:
+        return [i for i in range(self.num_slots)
+                if i != self.slot and _SLOT.unpack_from(self._map, self._offset(i))[1] == WAITING]
 
     def _write(self, state: int, ticket: int) -> None:
         _SLOT.pack_into(self._map, self._offset(self.slot), self._pid, state, ticket, self.threads)

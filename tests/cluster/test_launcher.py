@@ -10,12 +10,13 @@ from cluster.config import ClusterConfig
 
 PASSIVE = ("passive", {"OMP_WAIT_POLICY": "PASSIVE"})
 SPIN = ("spin", {})
-SHARE = ("share", {})
+SHARE = ("share", {"GOMP_SPINCOUNT": launcher.SHARE_SPINCOUNT})
 
 
 @pytest.fixture(autouse=True)
 def two_cpus(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(launcher, "_usable_cpus", lambda: 2)
 
 
@@ -55,6 +56,13 @@ def test_an_explicit_setting_wins_over_auto():
 def test_the_users_omp_wait_policy_wins(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == ("user", {"OMP_WAIT_POLICY": "ACTIVE"})
+
+
+def test_sharing_workers_spin_briefly_unless_the_user_says_otherwise(monkeypatch):
+    mode, env = _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1})
+    assert int(env["GOMP_SPINCOUNT"]) < 300_000  # libgomp's default outlives the step
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50000")
+    assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == ("share", {"GOMP_SPINCOUNT": "50000"})
 
 
 def test_an_unknown_policy_is_a_config_error():

@@ -127,10 +127,13 @@ def test_a_failing_factory_raises_its_own_error():
         AsyncEngine(build)
 
 
-def test_a_loop_waiting_for_shared_cores_still_answers_commands(tiny_model_dir, tmp_path):
+def test_a_loop_waiting_for_shared_cores_still_answers_commands(tiny_model_dir, tmp_path, monkeypatch):
     """While another worker holds the cores, the loop keeps handling its inbox (KV reservations,
-    admissions, aborts), then steps once the cores are free."""
+    admissions, aborts): a command rings its bell. It steps once the cores are free."""
+    from workers import core_share
     from workers.core_share import WAITING, CoreShare, create_board
+
+    monkeypatch.setattr(core_share, "_RECHECK_S", 60.0)  # only the bells can wake the loop
 
     board = create_board(2, directory=str(tmp_path))
     other = CoreShare(board, 0, cores=2, threads=2)

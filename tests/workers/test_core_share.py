@@ -1,28 +1,34 @@
 """The core-share board: steps that fit run side by side, others take turns in asking order,
-and a dead worker never holds the cores."""
+a turn passes by ringing the waiter's bell (no polling), and a dead worker never holds the cores."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from workers.core_share import RUNNING, WAITING, CoreShare, create_board
+from workers import core_share
+from workers.core_share import RUNNING, WAITING, CoreShare, bell_path, create_board, remove_board
 
 
 @pytest.fixture
-def board(tmp_path):
+def board(tmp_path, monkeypatch):
+    # Waiters re-read the board only when rung: a turn that passed by the fallback re-check
+    # would time these tests out.
+    monkeypatch.setattr(core_share, "_RECHECK_S", 60.0)
+
     def make(slots: int, cores: int, threads: int) -> list[CoreShare]:
         path = create_board(slots, directory=str(tmp_path))
         return [CoreShare(path, i, cores=cores, threads=threads) for i in range(slots)]
     return make
 
 
-def _start(seat: CoreShare, log: list[int], tag: int) -> threading.Thread:
+def _start(seat: CoreShare, log: list[int], tag: int, on_wake=None) -> threading.Thread:
     def run() -> None:
-        seat.before_step()
+        seat.before_step(on_wake=on_wake)
         log.append(tag)
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -47,12 +53,12 @@ def test_steps_that_fit_run_side_by_side(board):
     b.after_step()
 
 
-def _a_running_b_waiting(board) -> tuple[CoreShare, CoreShare, list[int], threading.Thread]:
+def _a_running_b_waiting(board, on_wake=None) -> tuple[CoreShare, CoreShare, list[int], threading.Thread]:
     """Two workers of 2 threads on 2 cores: a is mid-step, b has asked and waits."""
     a, b = board(2, cores=2, threads=2)
     a.before_step()
     log: list[int] = []
-    t = _start(b, log, 1)
+    t = _start(b, log, 1, on_wake)
     _wait_until(lambda: a.state()[1][1] == WAITING)
     return a, b, log, t
 
@@ -80,6 +86,41 @@ def test_busy_workers_alternate_in_asking_order(board):
     a.after_step()
 
 
+def test_a_waiter_sleeps_until_rung(board):
+    """No polling: a waiting worker wakes only for its bell (a command, or freed cores)."""
+    wakes: list[float] = []
+    a, b, log, t = _a_running_b_waiting(board, on_wake=lambda: wakes.append(time.monotonic()))
+    time.sleep(0.3)
+    assert wakes == []  # nothing happened, so nothing woke it
+    b.ring()  # e.g. a KV reservation arrived for b's engine loop
+    _wait_until(lambda: len(wakes) == 1)
+    assert log == []  # handled its command, still waiting for the cores
+    a.after_step()
+    t.join(5)
+    assert log == [1] and len(wakes) == 2
+    b.after_step()
+
+
+def test_a_later_asker_that_fits_beside_an_earlier_one_is_woken(board, tmp_path):
+    """4 cores: a (4 threads) runs while b then c (2 threads each) wait. When a finishes, c may
+    wake first and defer to b's earlier ticket; b's admission must then wake c, as both fit."""
+    path = create_board(3, directory=str(tmp_path))
+    a = CoreShare(path, 0, cores=4, threads=4)
+    b, c = (CoreShare(path, i, cores=4, threads=2) for i in (1, 2))
+    a.before_step()
+    log: list[int] = []
+    tb = _start(b, log, 1, on_wake=lambda: time.sleep(0.2))  # b is slow to look: c looks first
+    _wait_until(lambda: a.state()[1][1] == WAITING)
+    tc = _start(c, log, 2)
+    _wait_until(lambda: a.state()[2][1] == WAITING)
+    a.after_step()
+    tb.join(5)
+    tc.join(5)
+    assert sorted(log) == [1, 2] and [s[1] for s in a.state()] == [0, RUNNING, RUNNING]
+    b.after_step()
+    c.after_step()
+
+
 def test_a_team_larger_than_the_machine_asks_for_all_of_it(board):
     [a] = board(1, cores=2, threads=8)
     assert a.threads == 2
@@ -98,6 +139,17 @@ def test_a_dead_worker_holds_nothing(board, tmp_path):
     a.before_step()  # not blocked
     assert a.state()[0][1] == RUNNING
     a.after_step()
+
+
+def test_remove_board_deletes_the_bells(tmp_path):
+    path = create_board(2, directory=str(tmp_path))
+    seat = CoreShare(path, 0, cores=2, threads=1)
+    assert bell_path(path, 0).exists() and bell_path(path, 1).exists()
+    remove_board(path)
+    assert list(tmp_path.iterdir()) == []
+    seat.before_step()  # a worker that still has it open keeps working
+    seat.after_step()  # ringing a bell that is gone is not an error
+    seat.close()
 
 
 def test_bad_boards_and_slots_are_errors(tmp_path):
