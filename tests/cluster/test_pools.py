@@ -34,9 +34,10 @@ def disagg(ray_session, tiny_model_dir):
     cluster.start()
     board = cluster._board
     assert board is not None and board.exists()
+    assert len(list(board.parent.glob(board.name + ".bell*"))) == 2  # one per worker
     yield cluster
     cluster.stop()
-    assert not board.exists()
+    assert not list(board.parent.glob(board.name + "*"))  # the board and its bells
 
 
 async def _stream(pool: PoolClient, rid: str, prompt, params):
