@@ -93,6 +93,8 @@ class CoreShare:
         # O_RDWR: the pipe always has a writer (no EOF) and opening it never blocks.
         self._bell = os.open(bell_path(self.path, slot), os.O_RDWR | os.O_NONBLOCK)
         self._bell_lock = threading.Lock()  # ring() comes from any thread; close() must not race it
+        self._poller = select.poll()  # not select(): a Ray worker's descriptors can pass 1024
+        self._poller.register(self._bell, select.POLLIN)
         self._peer_bells: dict[int, int] = {}
         with self._locked():
             self._write(IDLE, 0)
@@ -112,7 +114,7 @@ class CoreShare:
                 return
         started = time.monotonic()
         while True:
-            select.select([self._bell], [], [], _RECHECK_S)
+            self._poller.poll(_RECHECK_S * 1000)
             self._drain_bell()
             if on_wake is not None:
                 on_wake()

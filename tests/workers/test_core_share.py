@@ -141,6 +141,30 @@ def test_a_dead_worker_holds_nothing(board, tmp_path):
     a.after_step()
 
 
+def test_a_bell_past_descriptor_1024_still_wakes_its_waiter(board):
+    """Ray workers hold many sockets: the wait must not rely on select(), which stops at 1024."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip("cannot open 1100 descriptors here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100) if hard == resource.RLIM_INFINITY
+                                                else min(hard, max(soft, 1100)), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    try:
+        a, b, log, t = _a_running_b_waiting(board)
+        assert b._bell > 1024
+        a.after_step()
+        t.join(5)
+        assert log == [1]
+        b.after_step()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_remove_board_deletes_the_bells(tmp_path):
     path = create_board(2, directory=str(tmp_path))
     seat = CoreShare(path, 0, cores=2, threads=1)
