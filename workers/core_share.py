@@ -110,7 +110,7 @@ class CoreShare:
             ticket = _HEADER.unpack_from(self._map, 0)[0] + 1
             _HEADER.pack_into(self._map, 0, ticket)
             self._write(WAITING, ticket)
-            if self._admit(ticket):
+            if self._admit(ticket) is not None:
                 return
         started = time.monotonic()
         while True:
@@ -119,10 +119,10 @@ class CoreShare:
             if on_wake is not None:
                 on_wake()
             with self._locked():
-                if self._admit(ticket):
+                spare = self._admit(ticket)
+                if spare is not None:
                     # a later asker held back only by this one's ticket may fit beside it now
-                    spare = self._free_cores() > 0
-                    waiting = self._waiting_slots() if spare else []
+                    waiting = self._waiting_slots() if spare > 0 else []
                     break
         self._ring_peers(waiting)
         self.wait_seconds += time.monotonic() - started
@@ -187,7 +187,8 @@ class CoreShare:
                 self._peer_bells.pop(slot, None)
 
     # -- under the lock ------------------------------------------------------------------
-    def _admit(self, ticket: int) -> bool:
+    def _admit(self, ticket: int) -> int | None:
+        """Take the cores if this step fits and no earlier asker waits: the cores left free, or None."""
         running = 0
         for i in range(self.num_slots):
             if i == self.slot:
@@ -198,19 +199,11 @@ class CoreShare:
             if state == RUNNING:
                 running += threads
             elif their_ticket < ticket:  # asked first: it goes first
-                return False
+                return None
         if running + self.threads > self.cores:
-            return False
+            return None
         self._write(RUNNING, ticket)
-        return True
-
-    def _free_cores(self) -> int:
-        used = 0
-        for i in range(self.num_slots):
-            pid, state, _, threads = _SLOT.unpack_from(self._map, self._offset(i))
-            if state == RUNNING and (i == self.slot or _alive(pid)):
-                used += threads
-        return self.cores - used
+        return self.cores - running - self.threads
 
     def _waiting_slots(self) -> list[int]:
         return [i for i in range(self.num_slots)

@@ -36,8 +36,6 @@ def _start(seat: CoreShare, log: list[int], tag: int, on_wake=None) -> threading
 
 
 def _wait_until(predicate, timeout: float = 5.0) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -132,8 +130,6 @@ def test_a_dead_worker_holds_nothing(board, tmp_path):
     a, b = board(2, cores=2, threads=2)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
-    from workers import core_share
-
     # b's slot claims the cores for a process that has exited (killed mid-step)
     core_share._SLOT.pack_into(b._map, b._offset(1), int(gone.stdout), RUNNING, 1, 2)
     a.before_step()  # not blocked
@@ -149,8 +145,8 @@ def test_a_bell_past_descriptor_1024_still_wakes_its_waiter(board):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1100:
         pytest.skip("cannot open 1100 descriptors here")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100) if hard == resource.RLIM_INFINITY
-                                                else min(hard, max(soft, 1100)), hard))
+    if soft != resource.RLIM_INFINITY and soft < 1100:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
     filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
     try:
         a, b, log, t = _a_running_b_waiting(board)
