@@ -56,6 +56,8 @@ def run_served(mode: str, args: argparse.Namespace, work: list[tuple[list[int], 
 
     # Same cores either way: one colocated worker uses all the offline engine's threads; the
     # disaggregated pools split them across 1 prefill + (workers - 1) decode workers.
+    # "disaggregated@collective": the same with that KV transport instead of the default.
+    mode, _, transport = mode.partition("@")
     if mode == "colocated":
         pools, threads = {"colocated": 1}, args.offline_threads
     else:
@@ -64,6 +66,7 @@ def run_served(mode: str, args: argparse.Namespace, work: list[tuple[list[int], 
         "engine": {"dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": 256, "kv_cache_memory_gib": 2.0, "threads_per_worker": threads},
         "pools": pools, "ray": {"num_cpus": os.cpu_count()},
+        **({"kv_transfer": {"transport": transport}} if transport else {}),
     })
     dep = Deployment(config).start()
     server = ServerThread(dep.app).start()
@@ -102,7 +105,8 @@ def main() -> None:
     ap.add_argument("--threads-per-worker", type=int, default=2)
     ap.add_argument("--offline-threads", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--modes", default="disaggregated,colocated",
+                    help="served modes: colocated, disaggregated, disaggregated@TRANSPORT")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="rounds (each: offline, then every served mode)")
     ap.add_argument("--out", default=None)

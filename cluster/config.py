@@ -49,7 +49,8 @@ class PoolsSection(BaseModel):
 
 class KVTransferSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    transport: Literal["collective", "object_store"] = "collective"
+    # auto: shared memory between workers on one machine (CPU caches), collective otherwise
+    transport: Literal["auto", "collective", "object_store"] = "auto"
     timeout_s: float = Field(30.0, gt=0)
 
 

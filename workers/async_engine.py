@@ -69,6 +69,7 @@ class AsyncEngine:
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._inbox: list[Callable[[], None]] = []
+        self._turn_inbox: list[Callable[[], None]] = []  # run while holding the cores (call_in_turn)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -152,6 +153,15 @@ class AsyncEngine:
 
     def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
         """Run ``fn(engine)`` on the loop thread and return its result (for control operations)."""
+        return self._call(fn, timeout, in_turn=False)
+
+    def call_in_turn(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
+        """Like ``call``, but ``fn`` runs right before a step, while this worker holds its turn at
+        cores it shares: bulk work (a KV copy) then runs on the whole team and preempts no other
+        worker's step. Raises TimeoutError if it has not run within ``timeout``."""
+        return self._call(fn, timeout, in_turn=True)
+
+    def _call(self, fn: Callable[[EngineCore], Any], timeout: float, in_turn: bool) -> Any:
         done = threading.Event()
         box: dict[str, Any] = {}
 
@@ -162,7 +172,7 @@ class AsyncEngine:
                 box["error"] = exc
             done.set()
 
-        self._post(run)
+        self._post(run, in_turn)
         if not done.wait(timeout):
             raise TimeoutError(f"engine loop did not answer within {timeout}s")
         if "error" in box:
@@ -179,9 +189,9 @@ class AsyncEngine:
         return self._thread.is_alive() and self._error is None
 
     # ------------------------------------------------------------------ the loop thread
-    def _post(self, fn: Callable[[], None]) -> None:
+    def _post(self, fn: Callable[[], None], in_turn: bool = False) -> None:
         with self._lock:
-            self._inbox.append(fn)
+            (self._turn_inbox if in_turn else self._inbox).append(fn)
         self._wake.set()
         if self.core_share is not None:  # the loop may be waiting for its turn at the cores
             self.core_share.ring()
@@ -205,16 +215,16 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._run_commands()
-                if not engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests() and not self._turn_inbox:
                     self._wake.wait(self.idle_wait_s)
                     continue
-                if share is None:
-                    deltas = engine.step()
-                else:
+                if share is not None:
                     share.before_step(on_wake=self._run_commands)
-                    try:
-                        deltas = engine.step()
-                    finally:
+                try:
+                    self._run_commands(in_turn=True)
+                    deltas = engine.step() if engine.has_unfinished_requests() else []
+                finally:
+                    if share is not None:
                         share.after_step()
                 if deltas:
                     self._dispatch(deltas)
@@ -228,10 +238,13 @@ class AsyncEngine:
             if share is not None:
                 share.close()
 
-    def _run_commands(self) -> None:
+    def _run_commands(self, in_turn: bool = False) -> None:
         with self._lock:
-            commands, self._inbox = self._inbox, []
-            self._wake.clear()
+            if in_turn:
+                commands, self._turn_inbox = self._turn_inbox, []
+            else:
+                commands, self._inbox = self._inbox, []
+                self._wake.clear()
         for cmd in commands:
             cmd()
 

@@ -48,6 +48,7 @@ class EngineConfig:
     swap_space_gib: float = 0.0  # host memory for preemption by swap
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_shared: bool = False  # host KV cache in a memfd peers on this machine map (kv_shared)
     num_threads: int | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

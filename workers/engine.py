@@ -54,7 +54,8 @@ class EngineCore(KVMigrationMixin):
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           namespace=namespace)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device,
-                                  num_host_blocks=self._host_blocks(model, config))
+                                  num_host_blocks=self._host_blocks(model, config),
+                                  shared=config.kv_cache_shared)
         host_pool = HostBlockPool(self.runner.host_cache.shape[2]) if self.runner.host_cache is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, host_pool)
         self.sampler = Sampler()

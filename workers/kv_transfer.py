@@ -198,7 +198,37 @@ class KVTransferEngine:
             rec.bytes = buf.nbytes
         return rec.bytes
 
+    def copy_blocks_from(self, source: Sequence[tuple[torch.Tensor, torch.Tensor]], src_ids: Sequence[int],
+                         dst_ids: Sequence[int]) -> int:
+        """Same machine: copy blocks of a peer's mapped cache (``workers.kv_shared``) into the
+        listed blocks of this one, layer by layer. A source that does not match this cache's
+        layers, block shape or dtype, or bad ids, raise ``KVTransferRejected`` before any write."""
+        with self._recording() as rec:
+            first = source[0][0] if source else None
+            if (first is None or len(source) != len(self.kv_caches) or first.dtype != self.dtype
+                    or tuple(first.shape[1:]) != (self.block_size, self.num_kv_heads, self.head_dim)):
+                got = "nothing" if first is None else f"{len(source)} x {first.dtype}{list(first.shape)}"
+                raise KVTransferRejected(f"copy_blocks_from: source cache {got} does not match "
+                                         f"{len(self.kv_caches)} x {self.dtype}{[self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim]}")
+            bad = self._check_ids(dst_ids)
+            src_count = int(first.shape[0])
+            if not bad and (len(src_ids) != len(dst_ids) or any(not 0 <= int(b) < src_count for b in src_ids)):
+                bad = f"source ids {list(src_ids)} outside [0, {src_count}) or not one per destination"
+            if bad:
+                raise KVTransferRejected(f"copy_blocks_from: {bad}")
+            if dst_ids:
+                src, dst = self._index(src_ids), self._index(dst_ids)
+                for (sk, sv), (k, v) in zip(source, self.kv_caches):
+                    self._copy_layer(sk, k, src, dst)
+                    self._copy_layer(sv, v, src, dst)
+                rec.bytes = 2 * len(self.kv_caches) * len(dst_ids) * k[0].nbytes
+        return rec.bytes
+
     # -- helpers -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _copy_layer(self, source: torch.Tensor, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        backend.scatter_kv_blocks(cache, dst, backend.gather_kv_blocks(source, src))
 
     def _check_ids(self, block_ids: Sequence[int]) -> str | None:
         ids = list(block_ids)

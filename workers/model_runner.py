@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import backend
+from workers.kv_shared import KVExport, allocate_shared
 from workers.model.attention import AttentionMetadata
 from workers.model.llama import KVCache, LlamaForCausalLM
 from workers.scheduler import ScheduledRequest, SchedulerOutput
@@ -27,18 +28,23 @@ class ModelRunner:
     """Owns the model and its paged KV cache; one ``execute`` call is one forward."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu", num_host_blocks: int = 0) -> None:
+                 device: torch.device | str = "cpu", num_host_blocks: int = 0, shared: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         attn = model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device),
-             torch.zeros(shape, dtype=model.dtype, device=self.device))
-            for _ in model.layers
-        ]
+        # shared: in a memfd that decode workers on this machine map (workers.kv_shared)
+        self.kv_export: KVExport | None = None
+        if shared and self.device.type == "cpu":
+            self.kv_caches, self.kv_export = allocate_shared(len(model.layers), shape, model.dtype)
+        else:
+            self.kv_caches: list[KVCache] = [
+                (torch.zeros(shape, dtype=model.dtype, device=self.device),
+                 torch.zeros(shape, dtype=model.dtype, device=self.device))
+                for _ in model.layers
+            ]
         # Swap space: [layers, K/V, host blocks, ...] in host memory (pinned when the cache is on a GPU).
         self.host_cache = torch.zeros((len(model.layers), 2, num_host_blocks) + shape[1:], dtype=model.dtype,
                                       pin_memory=self.device.type == "cuda") if num_host_blocks else None

@@ -4,14 +4,18 @@ The front talks to it with small calls (``add_request``, ``abort``, ``poll``); p
 KV-migration methods. Outputs leave as one msgpack batch per ``poll``, never one message per
 token. A prefill worker parks each request after its first token and ships the KV to the decode
 worker named in the request: decode reserves blocks, the data moves over the pair's
-``torch.distributed`` group (or the object store), decode admits, prefill releases. Any failure
-frees both sides and ends the request with ``finish_reason="abort"``.
+``torch.distributed`` group (or the object store), decode admits, prefill releases. Between
+workers on one machine (transport ``auto``) decode instead copies the blocks
+straight out of the prefill worker's cache, which it maps (``workers.kv_shared``), in its own turn
+at the cores: one RPC and one copy per request. Any failure frees both sides and ends the request
+with ``finish_reason="abort"``.
 
 The class is plain Python; ``cluster.launcher`` wraps it with ``ray.remote``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,6 +30,7 @@ from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, SchedulerConfig
 from workers.core_share import CoreShare
 from workers.errors import BatonError, OutOfBlocksError
+from workers.kv_shared import KVCache, KVExport, can_share, export_alive, machine_id, map_export
 from workers.kv_transfer import KVTransferEngine, KVTransferError, PairGroup, PairRendezvous, transfer_key
 from workers.llm import build_engine
 from workers.messages import encode_deltas, params_from_dict
@@ -34,21 +39,26 @@ from workers.outputs import TokenDelta
 
 log = logging.getLogger("baton.worker")
 ROLES = ("prefill", "decode", "colocated")
+TRANSPORTS = ("auto", "collective", "object_store")
 
 
 class Worker:
     """An engine plus its outbox and KV shipping; every engine access goes through its loop thread."""
 
     def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int = 1,
-                 kv_transport: str = "collective", kv_timeout_s: float = 30.0,
+                 kv_transport: str = "auto", kv_timeout_s: float = 30.0,
                  host: str = "127.0.0.1", core_share: dict[str, Any] | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {kv_transport!r}")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(threads)
         self.worker_id, self.role = worker_id, role
         self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
         engine = dict(engine)
+        # A prefill worker's cache goes in shared memory when its decode peers may map it.
+        engine.setdefault("kv_cache_shared", role == "prefill" and kv_transport == "auto" and can_share())
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         sched = SchedulerConfig(**{k: engine.pop(k) for k in list(engine) if k in sched_keys})
         config = EngineConfig(scheduler=sched, **engine)
@@ -74,9 +84,14 @@ class Worker:
         self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
         self._cancelled: dict[str, float] = {}  # ids aborted before their KV arrived (decode role)
         self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
+        self._machine = machine_id() if can_share() else None
+        self._same_machine: dict[str, bool] = {}  # decode peer id -> maps our cache (prefill role)
+        self._mapped: dict[str, tuple[KVExport, list[KVCache]]] = {}  # prefill peer -> its mapped cache
+        self._withdrawn: dict[str, float] = {}  # members whose sender gave up; engine thread only
         # KV copies on side threads run serially: a team of their own would throttle the loop
-        # thread's OpenMP waits for good (kernels.openmp).
-        self._shipper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-ship",
+        # thread's OpenMP waits for good (kernels.openmp). A shared-memory shipment only waits for
+        # the decode worker's turn: with 2 threads, a step parking 5 requests took 3 decode turns.
+        self._shipper = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ship",
                                            initializer=openmp.serial_here)
         self.transfer_log: list[float] = []
 
@@ -86,11 +101,15 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size, "pid": os.getpid()}
+                "vocab_size": c.vocab_size, "pid": os.getpid(), "machine": self._machine}
 
     def set_peers(self, peers: dict[str, Any]) -> None:
         """Actor handles of the other workers, by worker id (for KV shipping)."""
         self.peers = {k: v for k, v in peers.items() if k != self.worker_id}
+        for gone in set(self._same_machine) - set(self.peers):
+            self._same_machine.pop(gone, None)
+        for gone in set(self._mapped) - set(self.peers):  # unmap: a dead peer's memory is freed
+            self._mapped.pop(gone, None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
                     priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
@@ -158,6 +177,9 @@ class Worker:
         return encode_deltas(batch)
 
     def stats(self) -> dict[str, Any]:
+        for peer_id, (export, _) in list(self._mapped.items()):
+            if not export_alive(export):  # its worker died: let the kernel free that memory
+                self._mapped.pop(peer_id, None)
         s = self.engine.stats()
         recent, self.transfer_log = self.transfer_log, []
         out = dict(s.__dict__)
@@ -166,6 +188,7 @@ class Worker:
                         "core_wait_seconds": share.wait_seconds if share is not None else 0.0}
         out["alive"] = self.engine.is_alive
         out["pair_groups"] = len(self._pairs)
+        out["mapped_peer_caches"] = len(self._mapped)
         out["tracked_requests"] = len(self._owner)
         return out
 
@@ -176,6 +199,7 @@ class Worker:
         self._shipper.shutdown(wait=False, cancel_futures=True)
         for group in self._pairs.values():
             group.close()
+        self._mapped.clear()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ outputs
@@ -224,29 +248,28 @@ class Worker:
         target = self._decode_target.get(request_id)
         peer = self.peers.get(target) if target else None
         started = time.perf_counter()
+        shared = False
         try:
             if peer is None:
                 raise KVTransferError(f"decode worker {target!r} is not known")
-            needed, dst = self._reserve_on_peer(peer, meta)
-            blocks = [table[i] for i in needed]
-            if self.kv_transport == "object_store":
-                payload = self.transfer.pack_blocks(blocks)
-                _ray_get(peer.receive_kv_packed.remote(member_id, dst, payload), self.kv_timeout_s)
+            shared = self._maps_our_cache(target, peer)
+            if shared:
+                export = self.core.runner.kv_export.to_dict()
+                self._until_room(meta, lambda front: peer.receive_kv_shared.remote(
+                    self.worker_id, meta.to_dict(), front, table, export))
             else:
-                with self._pair_lock(target):
-                    group = self._pair(target, peer)
-                    ref = peer.receive_kv.remote(self.worker_id, member_id, dst)
-                    # per-layer sends overlap the next gather with the wire; worth it past a few MB
-                    self.transfer.send_blocks(group, blocks, transfer_id=transfer_key(member_id),
-                                              per_layer=len(blocks) >= 16)
-                    _ray_get(ref, self.kv_timeout_s)
+                needed, dst = self._until_room(meta, lambda front: peer.reserve_incoming.remote(meta.to_dict(), front))
+                self._push(target, peer, member_id, [table[i] for i in needed], dst)
             self.transfer_log.append(time.perf_counter() - started)
             with self._out_cv:
                 self._sample_left(request_id)
         except Exception as exc:  # any failure: free both sides, end the sample as aborted
             log.warning("KV shipping of %s to %s failed: %r", member_id, target, exc)
             if peer is not None:
-                peer.cancel_incoming.remote(member_id)
+                withdrawn = peer.cancel_incoming.remote(member_id)
+                if shared:  # it may be reading our blocks: they are freed only once it has let go
+                    with contextlib.suppress(Exception):
+                        _ray_get(withdrawn, self.kv_timeout_s)
             self._drop_pair(target)
             index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
             self._emit([TokenDelta(request_id, index, [], finish_reason="abort",
@@ -254,17 +277,39 @@ class Worker:
         finally:
             self.engine.submit(lambda e: e.release_parked(member_id))
 
-    def _reserve_on_peer(self, peer: Any, meta: MigrationMeta) -> tuple[list[int], list[int]]:
-        """Ask the decode worker for blocks, retrying while it is full, until the timeout.
-        Returns (logical block indices to send, the decode worker's physical blocks for them)."""
+    def _push(self, target: str, peer: Any, member_id: str, blocks: list[int], dst: list[int]) -> None:
+        """Send the blocks into the decode worker's reserved ``dst`` (collective or object store)."""
+        if self.kv_transport == "object_store":
+            payload = self.transfer.pack_blocks(blocks)
+            _ray_get(peer.receive_kv_packed.remote(member_id, dst, payload), self.kv_timeout_s)
+            return
+        with self._pair_lock(target):
+            group = self._pair(target, peer)
+            ref = peer.receive_kv.remote(self.worker_id, member_id, dst)
+            # per-layer sends overlap the next gather with the wire; worth it past a few MB
+            self.transfer.send_blocks(group, blocks, transfer_id=transfer_key(member_id),
+                                      per_layer=len(blocks) >= 16)
+            _ray_get(ref, self.kv_timeout_s)
+
+    def _maps_our_cache(self, peer_id: str, peer: Any) -> bool:
+        """True when ``peer`` (a decode worker) runs on this machine and our cache is exported."""
+        if self.core.runner.kv_export is None or self.kv_transport != "auto":
+            return False
+        same = self._same_machine.get(peer_id)
+        if same is None:
+            same = self._same_machine[peer_id] = _ray_get(peer.info.remote(), self.kv_timeout_s)["machine"] == self._machine
+        return same
+
+    def _until_room(self, meta: MigrationMeta, ask: Any) -> Any:
+        """Call ``ask(front_id)`` (a decode worker RPC) until it answers other than None (None: no
+        free blocks there now), backing off, until the timeout."""
         deadline = time.monotonic() + self.kv_timeout_s
         delay = 0.01
         while True:
             owner = self._owner.get(meta.request_id)
-            front = owner[0] if owner else "default"
-            reserved = _ray_get(peer.reserve_incoming.remote(meta.to_dict(), front), self.kv_timeout_s)
-            if reserved is not None:
-                return reserved
+            answer = _ray_get(ask(owner[0] if owner else "default"), self.kv_timeout_s)
+            if answer is not None:
+                return answer
             if time.monotonic() > deadline:
                 raise OutOfBlocksError(f"decode worker had no room for {meta.member_id} within "
                                        f"{self.kv_timeout_s}s")
@@ -336,6 +381,46 @@ class Worker:
         self._admit(member_id)
         return nbytes
 
+    def receive_kv_shared(self, peer_id: str, meta: dict[str, Any], front_id: str, source_table: list[int],
+                          export: dict[str, Any]) -> int | None:
+        """Same machine: in this worker's next turn at the cores, reserve blocks for the arriving
+        request, copy its KV out of the sender's mapped cache and start decoding it. Returns the
+        bytes copied, or None when full now (the sender retries)."""
+        m = MigrationMeta(**meta)
+        if m.request_id in self._cancelled:
+            raise KVTransferError(f"request {m.request_id} was aborted")
+        source = self._peer_cache(peer_id, KVExport.from_dict(export))
+        self._register(m.request_id, front_id, int(m.params.get("n", 1)))
+
+        def copy_in(engine: Any) -> int | None:
+            if self._withdrawn.pop(m.member_id, None) is not None:  # its sender gave up meanwhile
+                raise KVTransferError(f"{m.member_id} was withdrawn by its sender")
+            try:
+                needed = engine.reserve_remote(m)
+            except OutOfBlocksError:
+                return None
+            table = engine.incoming_block_table(m.member_id)
+            try:
+                nbytes = self.transfer.copy_blocks_from(source, [source_table[i] for i in needed],
+                                                        [table[i] for i in needed])
+            except BaseException:
+                engine.cancel_remote(m.member_id)
+                raise
+            self._admit_here(engine, m.member_id)
+            return nbytes
+
+        try:
+            return self.engine.call_in_turn(copy_in, timeout=self.kv_timeout_s)
+        except TimeoutError as exc:
+            raise KVTransferError(f"no turn at the cores for {m.member_id} within {self.kv_timeout_s}s") from exc
+
+    def _peer_cache(self, peer_id: str, export: KVExport) -> list[KVCache]:
+        """The sender's cache, mapped once per export (a restarted peer exports anew)."""
+        held = self._mapped.get(peer_id)
+        if held is None or held[0].token != export.token:
+            held = self._mapped[peer_id] = (export, map_export(export))
+        return held[1]
+
     def receive_kv_packed(self, member_id: str, blocks: list[int], payload: Any) -> int:
         openmp.serial_here()
         self.transfer.unpack_blocks(blocks, payload)
@@ -343,20 +428,30 @@ class Worker:
         return int(getattr(payload, "nbytes", 0))
 
     def cancel_incoming(self, member_id: str) -> None:
-        self.engine.submit(lambda e: e.cancel_remote(member_id))
+        """The sender gave up on ``member_id``: free its reservation; returns once no copy of it
+        is running here, and none will start (the sender may then reuse its blocks)."""
+        def withdraw(engine: Any) -> None:
+            now = time.monotonic()
+            if len(self._withdrawn) > 1024:  # only a copy still queued can match an old entry
+                self._withdrawn = {k: t for k, t in self._withdrawn.items() if now - t < 4 * self.kv_timeout_s}
+            self._withdrawn[member_id] = now
+            if engine.cancel_remote(member_id):
+                self._withdrawn.pop(member_id, None)  # the reservation was still here: nothing queued
+
+        self.engine.call(withdraw, timeout=self.kv_timeout_s)
 
     def _admit(self, member_id: str) -> None:
+        self.engine.submit(lambda e: self._admit_here(e, member_id))
+
+    def _admit_here(self, engine: Any, member_id: str) -> None:
+        """Engine thread: the KV is in; start decoding unless the request was aborted meanwhile."""
         request_id = member_id.split("#", 1)[0]
-        if request_id in self._cancelled:  # aborted while the KV was on its way
-            self.engine.submit(lambda e: e.cancel_remote(member_id))
+        if request_id in self._cancelled:
+            engine.cancel_remote(member_id)
             return
-
-        def admit(engine: Any) -> None:
-            engine.admit_remote(member_id)
-            if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
-                engine.pause_request(request_id)
-
-        self.engine.submit(admit)
+        engine.admit_remote(member_id)
+        if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
+            engine.pause_request(request_id)
 
 
 def _ray_get(ref: Any, timeout: float) -> Any:

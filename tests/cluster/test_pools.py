@@ -1,4 +1,5 @@
-"""Prefill and decode pools of real Ray actors: KV shipped over gloo, tokens streamed back."""
+"""Prefill and decode pools of real Ray actors: KV shipped over gloo or copied out of the prefill
+worker's shared cache, tokens streamed back."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from workers import LLM, SamplingParams
 NUM_BLOCKS = 64
 
 
-def _config(model_dir, engine: dict | None = None, **pools) -> ClusterConfig:
+def _config(model_dir, engine: dict | None = None, transport: str = "auto", **pools) -> ClusterConfig:
     return ClusterConfig.model_validate({
         "engine": {"model": str(model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS,
                    **(engine or {})},
-        "pools": pools, "kv_transfer": {"timeout_s": 10},
+        "pools": pools, "kv_transfer": {"timeout_s": 10, "transport": transport},
     })
 
 
@@ -28,9 +29,13 @@ def _config(model_dir, engine: dict | None = None, **pools) -> ClusterConfig:
 SHARE = {"openmp_wait": "share", "threads_per_worker": 2}
 
 
-@pytest.fixture(scope="module")
-def disagg(ray_session, tiny_model_dir):
-    cluster = Cluster(_config(tiny_model_dir, SHARE, prefill=1, decode=1))
+# collective: gloo pair groups; auto: on one machine, decode copies out of prefill's mapped cache
+TRANSPORTS = ["collective", "auto"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def disagg(request, ray_session, tiny_model_dir):
+    cluster = Cluster(_config(tiny_model_dir, SHARE, request.param, prefill=1, decode=1))
     cluster.start()
     board = cluster._board
     assert board is not None and board.exists()
@@ -81,7 +86,12 @@ def test_disaggregated_greedy_equals_offline_engine(disagg, tiny_model_dir):
     assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values())
     assert all(s["tracked_requests"] == 0 for s in stats.values())  # no per-request state left behind
     assert stats["decode-0"]["extra"]["kv_transfer"]["bytes"] > 0
-    assert stats["prefill-0"]["pair_groups"] == 1  # the gloo pair, created on first use
+    if disagg.config.kv_transfer.transport == "collective":
+        assert stats["prefill-0"]["pair_groups"] == 1  # the gloo pair, created on first use
+        assert stats["decode-0"]["mapped_peer_caches"] == 0
+    else:  # same machine: no collective group at all, decode mapped prefill's cache
+        assert stats["prefill-0"]["pair_groups"] == 0 and stats["decode-0"]["pair_groups"] == 0
+        assert stats["decode-0"]["mapped_peer_caches"] == 1
 
 
 def test_n_samples_and_seeds_across_the_hop(disagg, tiny_model_dir):
@@ -145,14 +155,15 @@ def test_colocated_mode_matches(ray_session, tiny_model_dir):
         cluster.stop()
 
 
-def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir, transport):
     """Kill the decode actor mid-stream: the stream errors out, the prefill worker keeps no KV,
     and new requests are refused (no live decode worker) instead of hanging."""
     import ray
 
     from workers.errors import OverloadedError
 
-    cluster = Cluster(_config(tiny_model_dir, SHARE, prefill=1, decode=1))
+    cluster = Cluster(_config(tiny_model_dir, SHARE, transport, prefill=1, decode=1))
     cluster.start()
     prefill = next(w for w in cluster.workers if w.role == "prefill")
     decode = next(w for w in cluster.workers if w.role == "decode")

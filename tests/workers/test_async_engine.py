@@ -155,3 +155,59 @@ def test_a_loop_waiting_for_shared_cores_still_answers_commands(tiny_model_dir, 
         assert mine.wait_seconds > 0
     finally:
         eng.shutdown()
+
+
+class _RecordingShare:
+    """Stands in for a CoreShare: records when the loop takes and gives back the cores."""
+
+    wait_seconds = 0.0
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def before_step(self, on_wake=None) -> None:
+        self.events.append("turn")
+
+    def after_step(self) -> None:
+        self.events.append("release")
+
+    def ring(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_call_in_turn_runs_while_holding_the_cores_and_its_requests_join_that_step(tiny_model_dir):
+    import time
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    events: list[str] = []
+    step = llm.engine.step
+
+    def recorded_step():
+        events.append("step")
+        return step()
+
+    llm.engine.step = recorded_step
+    eng = AsyncEngine(llm.engine, core_share=_RecordingShare(events))
+    try:
+        assert eng.call(lambda e: events.append("call") or 1) == 1  # a plain call takes no turn
+        assert eng.call_in_turn(lambda e: events.append("in turn") or e.num_running) == 0
+        assert events == ["call", "turn", "in turn", "release"]  # idle, yet it asked for the cores
+        events.clear()
+
+        def add(e):
+            e.add_request("t", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            events.append("added")
+
+        eng.call_in_turn(add)
+        deadline = time.monotonic() + 10
+        while "release" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[:4] == ["turn", "added", "step", "release"]
+        with pytest.raises(ZeroDivisionError):  # its error reaches the caller, the loop lives on
+            eng.call_in_turn(lambda e: 1 / 0)
+        assert eng.is_alive and eng.call_in_turn(lambda e: 2) == 2
+    finally:
+        eng.shutdown()
