@@ -32,7 +32,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py --num-requests 64 --threads 2 --repeat 3 --out benchmarks/results/engine_throughput.json
-	$(BIN)/python benchmarks/serving_throughput.py --num-requests 32 --repeat 3 --out benchmarks/results/serving_throughput.json
+	$(BIN)/python benchmarks/serving_throughput.py --num-requests 32 --repeat 5 --modes disaggregated,disaggregated@collective,colocated --out benchmarks/results/serving_throughput.json
 	$(BIN)/python benchmarks/core_share_handoff.py --rounds 3 --out benchmarks/results/core_share_handoff.json
 
 clean:

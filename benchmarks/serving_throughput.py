@@ -3,8 +3,11 @@
 Starts a deployment in this process (workers are Ray actors), fires every request at once over
 HTTP with streaming, and counts output tokens/s from the first request sent to the last token
 received. Then runs the same requests through ``LLM.generate`` with the same engine settings.
+The client is ``benchmarks.sse_client``: it shares the cores with the server it measures, so it
+should cost as little CPU as it can.
 
-    .venv/bin/python benchmarks/serving_throughput.py --num-requests 32 --repeat 3 --out benchmarks/results/serving_throughput.json
+    .venv/bin/python benchmarks/serving_throughput.py --num-requests 32 --repeat 5 \
+        --modes disaggregated,disaggregated@collective,colocated --out benchmarks/results/serving_throughput.json
 """
 
 from __future__ import annotations
@@ -26,26 +29,22 @@ from benchmarks.engine_throughput import make_workload  # noqa: E402
 
 
 async def _fire(url: str, model: str, work: list[tuple[list[int], int]]) -> dict:
-    import httpx
+    from benchmarks.sse_client import stream_sse
 
-    async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> int:
+    async def one(prompt: list[int], max_tokens: int) -> int:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         tokens = 0
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
-                    usage = json.loads(line[6:]).get("usage")
-                    if usage:
-                        tokens = usage["completion_tokens"]
+        async for data in stream_sse(f"{url}/v1/completions", body):
+            if b'"usage":{' in data or b'"usage": {' in data:  # the last chunk; the rest carry null
+                usage = json.loads(data).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
         return tokens
 
-    limits = httpx.Limits(max_connections=len(work) + 4)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one(client, p, o) for p, o in work))
-        elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(p, o) for p, o in work))
+    elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": sum(counts), "output_tok_s": sum(counts) / elapsed}
 
 
@@ -125,6 +124,9 @@ def main() -> None:
               f"{one['offline']['output_tok_s']:.1f} tok/s", flush=True)
         for mode in modes:
             one[mode] = run_served(mode, args, work)
+            if one[mode]["output_tokens"] != one["offline"]["output_tokens"]:  # ignore_eos: must agree
+                raise RuntimeError(f"{mode}: {one[mode]['output_tokens']} output tokens, offline "
+                                   f"{one['offline']['output_tokens']}")
             one[f"{mode}_over_offline"] = one[mode]["output_tok_s"] / one["offline"]["output_tok_s"]
             print(f"round {r + 1}: served {mode}: {one[mode]['output_tok_s']:.1f} tok/s "
                   f"({one[f'{mode}_over_offline']:.2f}x offline)", flush=True)

@@ -208,8 +208,9 @@ class KVTransferEngine:
             if (first is None or len(source) != len(self.kv_caches) or first.dtype != self.dtype
                     or tuple(first.shape[1:]) != (self.block_size, self.num_kv_heads, self.head_dim)):
                 got = "nothing" if first is None else f"{len(source)} x {first.dtype}{list(first.shape)}"
+                want = [self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim]
                 raise KVTransferRejected(f"copy_blocks_from: source cache {got} does not match "
-                                         f"{len(self.kv_caches)} x {self.dtype}{[self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim]}")
+                                         f"{len(self.kv_caches)} x {self.dtype}{want}")
             bad = self._check_ids(dst_ids)
             src_count = int(first.shape[0])
             if not bad and (len(src_ids) != len(dst_ids) or any(not 0 <= int(b) < src_count for b in src_ids)):

@@ -297,7 +297,8 @@ class Worker:
             return False
         same = self._same_machine.get(peer_id)
         if same is None:
-            same = self._same_machine[peer_id] = _ray_get(peer.info.remote(), self.kv_timeout_s)["machine"] == self._machine
+            machine = _ray_get(peer.info.remote(), self.kv_timeout_s)["machine"]
+            same = self._same_machine[peer_id] = machine == self._machine
         return same
 
     def _until_room(self, meta: MigrationMeta, ask: Any) -> Any:
