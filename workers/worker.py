@@ -30,8 +30,15 @@ from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, SchedulerConfig
 from workers.core_share import CoreShare
 from workers.errors import BatonError, OutOfBlocksError
-from workers.kv_shared import KVCache, KVExport, can_share, export_alive, machine_id, map_export
-from workers.kv_transfer import KVTransferEngine, KVTransferError, PairGroup, PairRendezvous, transfer_key
+from workers.kv_shared import KVCache, KVExport, can_share, export_alive, map_export
+from workers.kv_transfer import (
+    KVTransferEngine,
+    KVTransferError,
+    PairGroup,
+    PairRendezvous,
+    backend_for,
+    transfer_key,
+)
 from workers.llm import build_engine
 from workers.messages import encode_deltas, params_from_dict
 from workers.migration import MigrationMeta
@@ -84,8 +91,7 @@ class Worker:
         self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
         self._cancelled: dict[str, float] = {}  # ids aborted before their KV arrived (decode role)
         self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
-        self._machine = machine_id() if can_share() else None
-        self._same_machine: dict[str, bool] = {}  # decode peer id -> maps our cache (prefill role)
+        self._maps_ours: dict[str, bool] = {}  # decode peer id -> it maps our cache (prefill role)
         self._mapped: dict[str, tuple[KVExport, list[KVCache]]] = {}  # prefill peer -> its mapped cache
         self._withdrawn: dict[str, float] = {}  # members whose sender gave up; engine thread only
         # KV copies on side threads run serially: a team of their own would throttle the loop
@@ -101,13 +107,13 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size, "pid": os.getpid(), "machine": self._machine}
+                "vocab_size": c.vocab_size, "pid": os.getpid()}
 
     def set_peers(self, peers: dict[str, Any]) -> None:
         """Actor handles of the other workers, by worker id (for KV shipping)."""
         self.peers = {k: v for k, v in peers.items() if k != self.worker_id}
-        for gone in set(self._same_machine) - set(self.peers):
-            self._same_machine.pop(gone, None)
+        for gone in set(self._maps_ours) - set(self.peers):
+            self._maps_ours.pop(gone, None)
         for gone in set(self._mapped) - set(self.peers):  # unmap: a dead peer's memory is freed
             self._mapped.pop(gone, None)
 
@@ -292,13 +298,18 @@ class Worker:
             _ray_get(ref, self.kv_timeout_s)
 
     def _maps_our_cache(self, peer_id: str, peer: Any) -> bool:
-        """True when ``peer`` (a decode worker) runs on this machine and our cache is exported."""
+        """True when ``peer`` (a decode worker) could map our exported cache: same machine, and
+        /proc lets it open our descriptor. Asked once per peer; otherwise the collective path."""
         if self.core.runner.kv_export is None or self.kv_transport != "auto":
             return False
-        same = self._same_machine.get(peer_id)
+        same = self._maps_ours.get(peer_id)
         if same is None:
-            machine = _ray_get(peer.info.remote(), self.kv_timeout_s)["machine"]
-            same = self._same_machine[peer_id] = machine == self._machine
+            export = self.core.runner.kv_export.to_dict()
+            same = bool(_ray_get(peer.map_peer_cache.remote(self.worker_id, export), self.kv_timeout_s))
+            self._maps_ours[peer_id] = same
+            if not same:
+                log.info("decode worker %s cannot map this worker's KV cache: shipping over %s",
+                         peer_id, backend_for(self.core.runner.device))
         return same
 
     def _until_room(self, meta: MigrationMeta, ask: Any) -> Any:
@@ -414,6 +425,16 @@ class Worker:
             return self.engine.call_in_turn(copy_in, timeout=self.kv_timeout_s)
         except TimeoutError as exc:
             raise KVTransferError(f"no turn at the cores for {m.member_id} within {self.kv_timeout_s}s") from exc
+
+    def map_peer_cache(self, peer_id: str, export: dict[str, Any]) -> bool:
+        """Map a prefill peer's exported cache now; False when it cannot be (another machine,
+        /proc closed to this process), and the peer then ships over its collective group."""
+        try:
+            self._peer_cache(peer_id, KVExport.from_dict(export))
+        except KVTransferError as exc:
+            log.info("cannot map the KV cache of %s: %s", peer_id, exc)
+            return False
+        return True
 
     def _peer_cache(self, peer_id: str, export: KVExport) -> list[KVCache]:
         """The sender's cache, mapped once per export (a restarted peer exports anew)."""

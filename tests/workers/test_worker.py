@@ -70,6 +70,10 @@ def test_a_withdrawn_transfer_is_refused_and_a_full_worker_answers_none(tiny_mod
     export = llm.engine.runner.kv_export.to_dict()
     worker = _decode_worker(tiny_model_dir)
     try:
+        # what a prefill worker asks first: can you map my cache? (no: it ships over gloo instead)
+        assert not worker.map_peer_cache("prefill-0", {**export, "machine": "another-boot/1"})
+        assert worker.stats()["mapped_peer_caches"] == 0
+        assert worker.map_peer_cache("prefill-0", export) and worker.stats()["mapped_peer_caches"] == 1
         worker.cancel_incoming(meta.member_id)  # the sender gave up before the copy was queued
         with pytest.raises(KVTransferError, match="withdrawn"):
             worker.receive_kv_shared("prefill-0", meta.to_dict(), "f", table, export)
