@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from workers.errors import KVTransferError
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from workers.model.llama import KVCache
+from workers.model.loader import parse_dtype
 
 
 def machine_id() -> str:
@@ -61,13 +60,13 @@ class KVExport:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.num_layers * math.prod(self.shape) * _DTYPES[self.dtype].itemsize
+        return 2 * self.num_layers * math.prod(self.shape) * parse_dtype(self.dtype).itemsize
 
 
 def allocate_shared(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[KVCache], KVExport]:
     """Zeroed K and V caches for ``num_layers`` layers in one memfd, and how peers map it.
     The descriptor stays open for the life of the process (peers open it through /proc)."""
-    name = next(k for k, v in _DTYPES.items() if v == dtype)
+    name = str(dtype).removeprefix("torch.")
     token = uuid.uuid4().hex
     fd = os.memfd_create(f"baton-kv-{token}", os.MFD_CLOEXEC)
     export = KVExport(machine_id(), os.getpid(), fd, token, num_layers, tuple(shape), name)
@@ -111,7 +110,8 @@ def map_export(export: KVExport) -> list[KVCache]:
 
 def _views(path: str, export: KVExport) -> list[KVCache]:
     per = math.prod(export.shape)
-    flat = torch.from_file(path, shared=True, size=2 * export.num_layers * per, dtype=_DTYPES[export.dtype])
+    flat = torch.from_file(path, shared=True, size=2 * export.num_layers * per,
+                           dtype=parse_dtype(export.dtype))
     return [(flat[(2 * i) * per:(2 * i + 1) * per].view(export.shape),
              flat[(2 * i + 1) * per:(2 * i + 2) * per].view(export.shape))
             for i in range(export.num_layers)]

@@ -222,7 +222,7 @@ class KVTransferEngine:
                 for (sk, sv), (k, v) in zip(source, self.kv_caches):
                     self._copy_layer(sk, k, src, dst)
                     self._copy_layer(sv, v, src, dst)
-                rec.bytes = 2 * len(self.kv_caches) * len(dst_ids) * k[0].nbytes
+                rec.bytes = 2 * len(self.kv_caches) * len(dst_ids) * self.kv_caches[0][0][0].nbytes
         return rec.bytes
 
     # -- helpers -------------------------------------------------------------------------

@@ -5,10 +5,10 @@ KV-migration methods. Outputs leave as one msgpack batch per ``poll``, never one
 token. A prefill worker parks each request after its first token and ships the KV to the decode
 worker named in the request: decode reserves blocks, the data moves over the pair's
 ``torch.distributed`` group (or the object store), decode admits, prefill releases. Between
-workers on one machine (transport ``auto``) decode instead copies the blocks
-straight out of the prefill worker's cache, which it maps (``workers.kv_shared``), in its own turn
-at the cores: one RPC and one copy per request. Any failure frees both sides and ends the request
-with ``finish_reason="abort"``.
+workers on one machine (transport ``auto``) decode instead copies the blocks straight out of the
+prefill worker's cache, which it maps (``workers.kv_shared``), in its own turn at the cores: one
+RPC and one copy per request. Any failure frees both sides and ends the request with
+``finish_reason="abort"``.
 
 The class is plain Python; ``cluster.launcher`` wraps it with ``ray.remote``.
 """
@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,18 +31,12 @@ from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, SchedulerConfig
 from workers.core_share import CoreShare
 from workers.errors import BatonError, OutOfBlocksError
-from workers.kv_shared import KVCache, KVExport, can_share, export_alive, map_export
-from workers.kv_transfer import (
-    KVTransferEngine,
-    KVTransferError,
-    PairGroup,
-    PairRendezvous,
-    backend_for,
-    transfer_key,
-)
+from workers.kv_shared import KVExport, can_share, export_alive, map_export
+from workers.kv_transfer import KVTransferEngine, KVTransferError, PairGroup, PairRendezvous, transfer_key
 from workers.llm import build_engine
 from workers.messages import encode_deltas, params_from_dict
 from workers.migration import MigrationMeta
+from workers.model.llama import KVCache
 from workers.outputs import TokenDelta
 
 log = logging.getLogger("baton.worker")
@@ -84,6 +79,8 @@ class Worker:
         self.engine = AsyncEngine(build, on_step=self._on_step, core_share=share)
         self.core = core = self.engine.engine
         self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
+        export = core.runner.kv_export  # set on a prefill worker whose peers may map its cache
+        self._export = export.to_dict() if export is not None and kv_transport == "auto" else None
         self.peers: dict[str, Any] = {}
         self._pairs: dict[str, PairGroup] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
@@ -260,9 +257,8 @@ class Worker:
                 raise KVTransferError(f"decode worker {target!r} is not known")
             shared = self._maps_our_cache(target, peer)
             if shared:
-                export = self.core.runner.kv_export.to_dict()
                 self._until_room(meta, lambda front: peer.receive_kv_shared.remote(
-                    self.worker_id, meta.to_dict(), front, table, export))
+                    self.worker_id, meta.to_dict(), front, table, self._export))
             else:
                 needed, dst = self._until_room(meta, lambda front: peer.reserve_incoming.remote(meta.to_dict(), front))
                 self._push(target, peer, member_id, [table[i] for i in needed], dst)
@@ -300,19 +296,18 @@ class Worker:
     def _maps_our_cache(self, peer_id: str, peer: Any) -> bool:
         """True when ``peer`` (a decode worker) could map our exported cache: same machine, and
         /proc lets it open our descriptor. Asked once per peer; otherwise the collective path."""
-        if self.core.runner.kv_export is None or self.kv_transport != "auto":
+        if self._export is None:
             return False
         same = self._maps_ours.get(peer_id)
         if same is None:
-            export = self.core.runner.kv_export.to_dict()
-            same = bool(_ray_get(peer.map_peer_cache.remote(self.worker_id, export), self.kv_timeout_s))
+            same = bool(_ray_get(peer.map_peer_cache.remote(self.worker_id, self._export), self.kv_timeout_s))
             self._maps_ours[peer_id] = same
             if not same:
-                log.info("decode worker %s cannot map this worker's KV cache: shipping over %s",
-                         peer_id, backend_for(self.core.runner.device))
+                log.info("decode worker %s cannot map this worker's KV cache: shipping over its pair group",
+                         peer_id)
         return same
 
-    def _until_room(self, meta: MigrationMeta, ask: Any) -> Any:
+    def _until_room(self, meta: MigrationMeta, ask: Callable[[str], Any]) -> Any:
         """Call ``ask(front_id)`` (a decode worker RPC) until it answers other than None (None: no
         free blocks there now), backing off, until the timeout."""
         deadline = time.monotonic() + self.kv_timeout_s
