@@ -1,8 +1,10 @@
 """The front's view of the worker pools: an ``EngineClient`` over Ray actors.
 
-One poll loop per worker pulls msgpack batches of token deltas and hands each to its
-request's stream. A request goes to a prefill worker (which emits the first token and ships the
-KV) and continues on a decode worker; in colocated mode one worker does both.
+Each worker pushes its per-step msgpack batches of token deltas to this front over a socket
+(``workers.output_stream``); one reader task per worker hands each delta to its request's
+stream. A worker the front cannot connect to is polled over Ray instead. A request goes to a
+prefill worker (which emits the first token and ships the KV) and continues on a decode worker;
+in colocated mode one worker does both.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from cluster.routing import RoutingPolicy, WorkerLoad, make_policy
 from workers.errors import OverloadedError
 from workers.messages import decode_deltas, params_to_dict
+from workers.output_stream import FRAME, frame
 from workers.outputs import TokenDelta
 from workers.sampling_params import SamplingParams
 from workers.validation import RequestLimits
@@ -67,18 +70,22 @@ class PoolClient:
         self.on_stats = on_stats
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
-        self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one outbox per front
+        self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one stream or outbox per front
         self.controller = controller  # GlobalController handle, or None to ask workers directly
         self._overloaded = False
+        self._writers: list[asyncio.StreamWriter] = []
 
     @property
     def colocated(self) -> bool:
         return any(w.role == "colocated" for w in self.workers.values())
 
     async def start(self, stats_interval_s: float = 1.0) -> None:
-        """Start one poll loop per worker and the stats loop (call from the serving event loop)."""
+        """Connect to every worker's output stream (or poll it) and start the stats loop (call
+        from the serving event loop)."""
         for w in self.workers.values():
-            self._tasks.append(asyncio.create_task(self._poll_loop(w)))
+            reader = await self._connect(w)
+            loop = self._read_loop(w, reader) if reader is not None else self._poll_loop(w)
+            self._tasks.append(asyncio.create_task(loop))
         self._tasks.append(asyncio.create_task(self._stats_loop(stats_interval_s)))
 
     async def stop(self) -> None:
@@ -88,6 +95,9 @@ class PoolClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
 
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -177,6 +187,48 @@ class PoolClient:
             w = self.workers.get(wid)
             if w is not None and w.alive:
                 w.handle.set_paused.remote(request_id, paused, stream.flow_seq)
+
+    async def _connect(self, w: WorkerRef, timeout_s: float = 10.0) -> asyncio.StreamReader | None:
+        """Open ``w``'s output stream; None (poll it instead) where it has none or it fails."""
+        address = w.info.get("output_address")
+        if not address:
+            return None
+
+        async def hello() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection(address[0], int(address[1]))
+            try:
+                writer.write(frame(self.front_id.encode()))
+                # The worker answers once it has registered us: from then on nothing goes to an
+                # outbox that nobody polls. The answer carries what that outbox held.
+                self._deliver(decode_deltas(await self._read_frame(reader)))
+            except BaseException:
+                writer.close()
+                raise
+            return reader, writer
+
+        try:
+            reader, writer = await asyncio.wait_for(hello(), timeout_s)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            log.warning("no output stream from worker %s at %s (%r): polling it over Ray", w.worker_id,
+                        address, exc)
+            return None
+        self._writers.append(writer)
+        return reader
+
+    @staticmethod
+    async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+        (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+        return await reader.readexactly(size)
+
+    async def _read_loop(self, w: WorkerRef, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                self._deliver(decode_deltas(await self._read_frame(reader)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # EOF or reset: the worker process is gone
+            log.error("worker %s closed its output stream: %r", w.worker_id, exc)
+            self._mark_dead(w, exc)
 
     async def _poll_loop(self, w: WorkerRef) -> None:
         while True:

@@ -1,9 +1,11 @@
 """The Worker: one engine in one Ray actor, with a role (prefill, decode or colocated).
 
-The front talks to it with small calls (``add_request``, ``abort``, ``poll``); peers call the
-KV-migration methods. Outputs leave as one msgpack batch per ``poll``, never one message per
-token. A prefill worker parks each request after its first token and ships the KV to the decode
-worker named in the request: decode reserves blocks, the data moves over the pair's
+The front talks to it with small calls (``add_request``, ``abort``); peers call the
+KV-migration methods. Outputs leave as one msgpack batch per step and front, never one message
+per token: pushed down the front's socket (``workers.output_stream``), or held for ``poll`` by a
+front that has not connected one; a front whose socket closes has its requests aborted. A
+prefill worker parks each request after its first token and ships the KV to the decode worker
+named in the request: decode reserves blocks, the data moves over the pair's
 ``torch.distributed`` group (or the object store), decode admits, prefill releases. Between
 workers on one machine (transport ``auto``) decode instead copies the blocks straight out of the
 prefill worker's cache, which it maps (``workers.kv_shared``), in its own turn at the cores: one
@@ -37,6 +39,7 @@ from workers.llm import build_engine
 from workers.messages import encode_deltas, params_from_dict
 from workers.migration import MigrationMeta
 from workers.model.llama import KVCache
+from workers.output_stream import FrontConnection, OutputServer
 from workers.outputs import TokenDelta
 
 log = logging.getLogger("baton.worker")
@@ -69,8 +72,11 @@ class Worker:
             core, self.tokenizer, self.model_path = build_engine(config)
             return core
 
-        # One outbox per front (HTTP replica): a request's deltas go to the front that sent it.
+        # A request's deltas go to the front (HTTP replica) that sent it: down that front's output
+        # stream once it has connected (workers.output_stream), else to its outbox for ``poll``.
         self._outboxes: dict[str, list[TokenDelta]] = {}
+        self._fronts: dict[str, FrontConnection] = {}
+        self._gone_fronts: set[str] = set()  # whose stream closed: their late requests are aborted
         self._owner: dict[str, list[Any]] = {}  # request id -> [front id, samples not finished]
         self._out_cv = threading.Condition()
         # Built on the loop thread: every parallel region of the model runs on that one thread.
@@ -97,6 +103,7 @@ class Worker:
         self._shipper = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ship",
                                            initializer=openmp.serial_here)
         self.transfer_log: list[float] = []
+        self._output = OutputServer(host, self._front_connected)
 
     # ------------------------------------------------------------------ front-facing
     def info(self) -> dict[str, Any]:
@@ -104,7 +111,8 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size, "pid": os.getpid()}
+                "vocab_size": c.vocab_size, "pid": os.getpid(),
+                "output_address": list(self._output.address)}
 
     def set_peers(self, peers: dict[str, Any]) -> None:
         """Actor handles of the other workers, by worker id (for KV shipping)."""
@@ -193,12 +201,14 @@ class Worker:
         out["pair_groups"] = len(self._pairs)
         out["mapped_peer_caches"] = len(self._mapped)
         out["tracked_requests"] = len(self._owner)
+        out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
         return out
 
     def health(self) -> bool:
         return self.engine.is_alive
 
     def shutdown(self) -> None:
+        self._output.close()
         self._shipper.shutdown(wait=False, cancel_futures=True)
         for group in self._pairs.values():
             group.close()
@@ -212,14 +222,46 @@ class Worker:
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         with self._out_cv:
+            by_front: dict[str, list[TokenDelta]] = {}
             for d in deltas:
                 owner = self._owner.get(d.request_id)
                 if owner is None:
                     continue  # aborted by its front: nobody listens
-                self._outboxes.setdefault(owner[0], []).append(d)
+                by_front.setdefault(owner[0], []).append(d)
                 if d.finish_reason is not None:
                     self._sample_left(d.request_id)
-            self._out_cv.notify_all()
+            polled = False
+            for front_id, batch in by_front.items():
+                conn = self._fronts.get(front_id)
+                if conn is not None and conn.send(encode_deltas(batch)):
+                    continue
+                if conn is not None or front_id in self._gone_fronts:
+                    self._front_gone(front_id)
+                    continue
+                self._outboxes.setdefault(front_id, []).extend(batch)
+                polled = True
+            if polled:
+                self._out_cv.notify_all()
+
+    def _front_gone(self, front_id: str) -> None:
+        """Its output stream closed (the front stopped or died): nobody will read its requests'
+        outputs, so abort them here and free their blocks. Caller holds ``_out_cv``."""
+        if self._fronts.pop(front_id, None) is not None:
+            log.warning("front %s hung up: aborting its requests", front_id)
+        self._gone_fronts.add(front_id)
+        for rid in [rid for rid, owner in self._owner.items() if owner[0] == front_id]:
+            self.abort(rid)
+
+    def _front_connected(self, front_id: str, conn: FrontConnection) -> None:
+        """A front's output stream is up: what its outbox holds goes first, then every batch."""
+        with self._out_cv:
+            old = self._fronts.pop(front_id, None)
+            if old is not None:
+                old.close()
+            self._gone_fronts.discard(front_id)
+            backlog = self._outboxes.pop(front_id, [])
+            conn.send(encode_deltas(backlog))  # also the answer to its hello
+            self._fronts[front_id] = conn
 
     def _sample_left(self, request_id: str) -> None:
         """One sample finished here or moved to a decode worker; forget the request after the last.

@@ -4,6 +4,8 @@ worker's shared cache, tokens streamed back."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 
@@ -55,10 +57,18 @@ async def _stream(pool: PoolClient, rid: str, prompt, params):
     return toks, reasons
 
 
-def _run(cluster: Cluster, jobs):
+def _run(cluster: Cluster, jobs, streamed: bool = True):
+    """Run ``jobs`` through a fresh front. streamed=False: the workers look as if they had no
+    output stream, so the front polls them over Ray."""
     async def main():
-        pool = PoolClient(cluster.workers, cluster.limits)
+        workers = cluster.workers if streamed else [
+            dataclasses.replace(w, info={k: v for k, v in w.info.items() if k != "output_address"})
+            for w in cluster.workers]
+        pool = PoolClient(workers, cluster.limits)
         await pool.start(stats_interval_s=0.2)
+        fronts = await asyncio.gather(*(w.handle.stats.remote() for w in cluster.workers))
+        # every worker pushes this front's outputs down its socket, or none does
+        assert all((pool.front_id in s["output_fronts"]) == streamed for s in fronts)
         try:
             return await asyncio.gather(*(_stream(pool, *job) for job in jobs))
         finally:
@@ -130,8 +140,6 @@ def test_32_streams_then_cancel_half_returns_every_block(disagg, tiny_model_dir)
     counts = asyncio.run(main())
     assert all(c == 40 for c in counts[0::2])
     assert all(3 <= c < 40 for c in counts[1::2])
-    import time
-
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         stats = _worker_stats(disagg)
@@ -142,6 +150,42 @@ def test_32_streams_then_cancel_half_returns_every_block(disagg, tiny_model_dir)
     assert all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats.values()), stats
 
 
+def test_a_front_that_goes_away_without_aborting_frees_its_requests(disagg, tiny_model_dir):
+    """A front process that dies sends no aborts; its output streams close, and the workers abort
+    what it had sent them rather than generate for nobody and hold the blocks."""
+    prompt = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8).tokenizer.encode("Once upon a time")
+    long = SamplingParams(temperature=0, max_tokens=disagg.limits.max_model_len - len(prompt) - 1, ignore_eos=True)
+
+    async def main():
+        pool = PoolClient(disagg.workers, disagg.limits)
+        pool.abort = lambda *a, **k: None  # it dies: no abort reaches any worker
+        await pool.start(stats_interval_s=0.2)
+        streams = [pool.generate(f"orphan{i}", prompt, long) for i in range(4)]
+        for agen in streams:  # every request is decoding
+            await agen.__anext__()
+            await agen.__anext__()
+        for task in pool._tasks:
+            task.cancel()
+        for writer in pool._writers:
+            writer.transport.abort()  # as when its process is killed
+        for agen in streams:
+            await agen.aclose()
+
+    computed = _worker_stats(disagg)["decode-0"]["num_decode_tokens_computed"]
+    asyncio.run(main())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = _worker_stats(disagg)
+        if all(s["num_free_blocks"] == NUM_BLOCKS and s["num_running"] == s["tracked_requests"] == 0
+               for s in stats.values()):
+            break
+        time.sleep(0.2)
+    assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values()), stats
+    assert all(s["num_running"] == s["num_waiting"] == s["tracked_requests"] == 0 for s in stats.values()), stats
+    # stopped within a few steps, not run to the end for nobody (4 x max_tokens)
+    assert stats["decode-0"]["num_decode_tokens_computed"] - computed < long.max_tokens
+
+
 def test_colocated_mode_matches(ray_session, tiny_model_dir):
     cluster = Cluster(_config(tiny_model_dir, colocated=1))
     cluster.start()
@@ -149,8 +193,11 @@ def test_colocated_mode_matches(ray_session, tiny_model_dir):
         llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
         prompt = llm.tokenizer.encode("Hello world")
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        want = llm.generate([prompt], params)[0].outputs[0].token_ids
         [(toks, _)] = _run(cluster, [("co", prompt, params)])
-        assert toks[0] == llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert toks[0] == want
+        [(toks, _)] = _run(cluster, [("polled", prompt, params)], streamed=False)  # no socket: Ray polls
+        assert toks[0] == want
     finally:
         cluster.stop()
 

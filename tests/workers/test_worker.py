@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
 
 from workers import LLM, SamplingParams
 from workers.errors import KVTransferError
-from workers.messages import decode_deltas
+from workers.messages import decode_deltas, params_to_dict
+from workers.output_stream import frame, read_frame
 from workers.worker import Worker
 
 NUM_BLOCKS = 64
@@ -90,3 +92,61 @@ def test_a_withdrawn_transfer_is_refused_and_a_full_worker_answers_none(tiny_mod
         assert small.stats()["num_free_blocks"] == 1 and small.transfer.stats.bytes == 0
     finally:
         small.shutdown()
+
+
+def _frames_until_finished(sock: socket.socket, first: bytes | None = None) -> list[int]:
+    """Token ids read off a front's output stream until a delta finishes."""
+    toks: list[int] = []
+    batch = first
+    while True:
+        for d in decode_deltas(batch if batch is not None else read_frame(sock, 1 << 24)):
+            toks += d.token_ids
+            if d.finish_reason:
+                return toks
+        batch = None
+
+
+def test_outputs_go_down_a_connected_front_stream_and_a_front_that_hangs_up_loses_its_requests(tiny_model_dir):
+    worker = Worker("colocated-0", "colocated", {"model": str(tiny_model_dir), "dtype": "float32",
+                                                  "block_size": 8, "num_kv_blocks": NUM_BLOCKS})
+    try:
+        prompt = worker.tokenizer.encode("Hello world! How are you today?")
+        offline = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+        want = offline.generate([prompt], PARAMS)[0].outputs[0].token_ids
+        # Before the front connects, its outputs wait in its outbox ...
+        worker.add_request("a", prompt, params_to_dict(PARAMS), front_id="f")
+        deadline = time.monotonic() + 30
+        while not any(d.finish_reason for d in worker._outboxes.get("f", [])):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # ... and come first on the stream, in the answer to its hello.
+        host, port = worker.info()["output_address"]
+        sock = socket.create_connection((host, port), timeout=30)
+        sock.sendall(frame(b"f"))
+        assert _frames_until_finished(sock, read_frame(sock, 1 << 24)) == want
+        worker.add_request("b", prompt, params_to_dict(PARAMS), front_id="f")
+        assert _frames_until_finished(sock) == want
+        assert decode_deltas(worker.poll("f", 0.0)) == []  # nothing went to the outbox meanwhile
+        # A front whose stream closes is gone: its requests are aborted, their blocks freed, and
+        # nothing piles up for it; a later request of that front is aborted too.
+        sock.close()
+        for rid in ("c", "d"):
+            worker.add_request(rid, prompt, params_to_dict(SamplingParams(max_tokens=400, ignore_eos=True)),
+                               front_id="f")
+            deadline = time.monotonic() + 30
+            while True:
+                s = worker.stats()
+                if (s["tracked_requests"] == s["num_running"] == s["num_waiting"] == 0
+                        and s["num_free_blocks"] == NUM_BLOCKS):
+                    break
+                assert time.monotonic() < deadline, s
+                time.sleep(0.02)
+            assert s["num_decode_tokens_computed"] < 2 * (len(want) + 50)  # stopped long before 400 tokens
+            assert not worker._outboxes.get("f")
+        # another front is unaffected
+        worker.add_request("e", prompt, params_to_dict(PARAMS), front_id="g")
+        assert _tokens(worker, "g") == want
+    finally:
+        worker.shutdown()
+    with pytest.raises(ConnectionRefusedError):  # shut down: it takes no more fronts
+        socket.create_connection((host, port), timeout=5)
