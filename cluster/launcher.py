@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -35,7 +37,8 @@ def init_ray(config: ClusterConfig, num_cpus: int | None = None) -> bool:
 
 
 # ~1 ms of spinning on these CPUs: longer than the gaps between a step's parallel
-# regions, far shorter than libgomp's default (~9 ms) that outlives the step.
+# regions, far shorter than libgomp's default (~9 ms) that outlives the step. Only where the
+# OpenMP runtime cannot end a team on demand (kernels.openmp.release_team).
 SHARE_SPINCOUNT = "30000"
 
 
@@ -50,11 +53,14 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
     cores this process cannot see, without ``cpus_per_worker`` reservations. An
     ``OMP_WAIT_POLICY`` set by the user is passed on as it is.
 
-    Sharing workers also spin shorter after a region (``GOMP_SPINCOUNT``, unless the user set it):
-    libgomp's default spin outlasts the step by ~9 ms on these VMs, on a core the next worker's
+    libgomp's default spin outlasts a step by ~9 ms on these VMs, on a core the next worker's
     step is already using, which slowed each step after a turn passed by ~20%
-    (``benchmarks/core_share_handoff.py``). The short spin still bridges the gaps between a
-    step's regions.
+    (``benchmarks/core_share_handoff.py``). So a sharing worker ends its team when it hands the
+    cores to a waiting worker (``kernels.openmp.release_team``) and keeps the default spin
+    otherwise: a short spin (``SHARE_SPINCOUNT``) put the team to sleep several times a step
+    in the gaps between regions, each wake-up a few percent of a decode step. Where the runtime
+    cannot end a team, sharing workers get the short spin. A ``GOMP_SPINCOUNT`` set by the user
+    is passed on as it is.
     """
     if "OMP_WAIT_POLICY" in os.environ:
         return "user", {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
@@ -72,8 +78,24 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
     if mode == "passive":
         return mode, {"OMP_WAIT_POLICY": "PASSIVE"}
     if mode == "share":
-        return mode, {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", SHARE_SPINCOUNT)}
+        if "GOMP_SPINCOUNT" in os.environ:
+            return mode, {"GOMP_SPINCOUNT": os.environ["GOMP_SPINCOUNT"]}
+        return mode, {} if _torch_runtime_can_release() else {"GOMP_SPINCOUNT": SHARE_SPINCOUNT}
     return mode, {}
+
+
+def _torch_runtime_can_release() -> bool:
+    """Whether the installed torch's OpenMP runtime has ``omp_pause_resource_all``, checked by
+    opening the library file (libgomp, which torch's wheels bundle) without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for path in sorted(Path(next(iter(spec.submodule_search_locations)), "lib").glob("libgomp*.so*")):
+        try:
+            return hasattr(ctypes.CDLL(str(path)), "omp_pause_resource_all")
+        except OSError:
+            continue
+    return False
 
 
 def _usable_cpus() -> int:

@@ -16,14 +16,16 @@ from collections.abc import Callable
 import torch
 
 _lock = threading.Lock()
-_setter: Callable[[int], None] | None = None
+_runtime: ctypes.CDLL | None = None
 _looked = False
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads go, the runtime stays usable
 
 
-def _omp_set_num_threads() -> Callable[[int], None] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime torch loaded (found in /proc/self/maps so
-    that a second copy of the runtime is never loaded), or None where there is none."""
-    global _setter, _looked
+def _omp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (found in /proc/self/maps so that a second copy is never
+    loaded), or None where there is none."""
+    global _runtime, _looked
+    torch.get_num_threads()  # torch loads its runtime lazily on some builds
     with _lock:
         if not _looked:
             _looked = True
@@ -34,13 +36,18 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
                 paths = []
             for path in paths:
                 try:
-                    fn = ctypes.CDLL(path).omp_set_num_threads
+                    lib = ctypes.CDLL(path)
+                    lib.omp_set_num_threads.argtypes, lib.omp_set_num_threads.restype = [ctypes.c_int], None
                 except (OSError, AttributeError):
                     continue
-                fn.argtypes, fn.restype = [ctypes.c_int], None
-                _setter = fn
+                _runtime = lib
                 break
-    return _setter
+    return _runtime
+
+
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    lib = _omp_runtime()
+    return lib.omp_set_num_threads if lib is not None else None
 
 
 def serial_here() -> bool:
@@ -56,3 +63,16 @@ def serial_here() -> bool:
         return False
     setter(1)
     return torch.get_num_threads() == 1
+
+
+def release_team() -> bool:
+    """End this thread's OpenMP team now (``omp_pause_resource_all``, soft): its threads exit
+    instead of spinning on cores another process is about to use; the next parallel region
+    starts a new team (~0.1 ms). Call outside any parallel region. False where the runtime
+    cannot (then the team spins out its ``GOMP_SPINCOUNT`` as usual)."""
+    lib = _omp_runtime()
+    fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(_OMP_PAUSE_SOFT) == 0

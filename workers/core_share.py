@@ -76,10 +76,16 @@ class CoreShare:
     Used from the engine loop thread only.
     """
 
-    def __init__(self, path: str | os.PathLike, slot: int, cores: int, threads: int) -> None:
+    def __init__(self, path: str | os.PathLike, slot: int, cores: int, threads: int,
+                 release_team: Callable[[], object] | None = None) -> None:
         if cores < 1 or threads < 1:
             raise ValueError("cores and threads must be >= 1")
         self.path, self.slot, self.cores = Path(path), slot, cores
+        # Called when a step hands the cores to a waiting worker, before its bell rings: ends
+        # this worker's spinning OpenMP team (kernels.openmp.release_team) so that it does not
+        # spin on the cores the next step is given.
+        self._release_team = release_team
+        self.handoffs = 0
         self.threads = min(threads, cores)  # what a step asks for: more can never fit
         self._file = open(self.path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), 0)
@@ -132,6 +138,10 @@ class CoreShare:
         with self._locked():
             self._write(IDLE, 0)
             waiting = self._waiting_slots()
+        if waiting:
+            self.handoffs += 1
+            if self._release_team is not None:
+                self._release_team()
         self._ring_peers(waiting)
 
     def ring(self) -> None:

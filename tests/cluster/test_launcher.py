@@ -10,7 +10,7 @@ from cluster.config import ClusterConfig
 
 PASSIVE = ("passive", {"OMP_WAIT_POLICY": "PASSIVE"})
 SPIN = ("spin", {})
-SHARE = ("share", {"GOMP_SPINCOUNT": launcher.SHARE_SPINCOUNT})
+SHARE = ("share", {})  # default spin; each worker ends its team when it hands the cores over
 
 
 @pytest.fixture(autouse=True)
@@ -58,9 +58,14 @@ def test_the_users_omp_wait_policy_wins(monkeypatch):
     assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == ("user", {"OMP_WAIT_POLICY": "ACTIVE"})
 
 
-def test_sharing_workers_spin_briefly_unless_the_user_says_otherwise(monkeypatch):
+def test_sharing_workers_spin_briefly_only_where_their_team_cannot_be_ended(monkeypatch):
+    assert launcher._torch_runtime_can_release()  # torch's wheel bundles libgomp, which can
+    monkeypatch.setattr(launcher, "_torch_runtime_can_release", lambda: False)
     mode, env = _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1})
-    assert int(env["GOMP_SPINCOUNT"]) < 300_000  # libgomp's default outlives the step
+    assert mode == "share" and int(env["GOMP_SPINCOUNT"]) < 300_000  # libgomp's default outlives the step
+
+
+def test_the_users_spin_count_wins(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "50000")
     assert _plan({"threads_per_worker": 2}, {"prefill": 1, "decode": 1}) == ("share", {"GOMP_SPINCOUNT": "50000"})
 

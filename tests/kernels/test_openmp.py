@@ -71,3 +71,35 @@ def test_serial_here_is_per_thread_in_this_process():
     t.join()
     assert seen == {"applied": True, "threads": 1}
     assert torch.get_num_threads() == before
+
+
+_RELEASE = textwrap.dedent("""
+    import os, time, torch
+    from kernels import openmp
+    torch.set_num_threads(2)
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+    base = threads()  # no team yet
+    x = torch.randn(512, 512)
+    want = x @ x
+    seen = []
+    for _ in range(3):
+        assert torch.equal(x @ x, want)
+        with_team = threads()
+        released = openmp.release_team()
+        deadline = time.monotonic() + 5
+        while threads() >= with_team and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append((with_team - base, released, with_team - threads()))
+    assert torch.equal(x @ x, want) and threads() - base == seen[0][0]
+    print(seen)
+""")
+
+
+def test_release_team_ends_the_team_and_the_next_region_starts_a_new_one():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _RELEASE], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    # each round: the team had a thread, release said yes, and that thread was gone after it
+    assert eval(done.stdout.strip()) == [(1, True, 1)] * 3

@@ -71,6 +71,19 @@ def test_a_step_that_does_not_fit_waits_for_the_running_one(board):
     assert b.wait_seconds > 0
 
 
+def test_a_step_ends_its_team_only_when_it_hands_the_cores_to_a_waiter(board):
+    a, b, log, t = _a_running_b_waiting(board)
+    released: list[bool] = []
+    a._release_team = lambda: released.append(log == [])  # True: before b was let in
+    a.after_step()
+    t.join(5)
+    assert released == [True] and log == [1] and a.handoffs == 1
+    b.after_step()
+    a.before_step()  # nobody waits: a keeps its team spinning for its next step
+    a.after_step()
+    assert released == [True] and a.handoffs == 1
+
+
 def test_busy_workers_alternate_in_asking_order(board):
     a, b, log, tb = _a_running_b_waiting(board)
     a.after_step()
