@@ -212,12 +212,17 @@ class AsyncEngine:
         finally:
             built.set()
         engine, share = self.engine, self.core_share
+        idle = True
         try:
             while not self._stop:
                 self._run_commands()
                 if not engine.has_unfinished_requests() and not self._turn_inbox:
+                    if not idle and share is not None:
+                        share.release()
+                    idle = True
                     self._wake.wait(self.idle_wait_s)
                     continue
+                idle = False
                 if share is not None:
                     share.before_step(on_wake=self._run_commands)
                 try:

@@ -81,9 +81,9 @@ class CoreShare:
         if cores < 1 or threads < 1:
             raise ValueError("cores and threads must be >= 1")
         self.path, self.slot, self.cores = Path(path), slot, cores
-        # Called when a step hands the cores to a waiting worker, before its bell rings: ends
-        # this worker's spinning OpenMP team (kernels.openmp.release_team) so that it does not
-        # spin on the cores the next step is given.
+        # Ends this worker's OpenMP team (kernels.openmp.release_team), whose threads would
+        # otherwise spin out libgomp's default (~9 ms) on cores another worker's step is given:
+        # called when a step hands the cores to a waiter and before a step waits for them.
         self._release_team = release_team
         self.handoffs = 0
         self.threads = min(threads, cores)  # what a step asks for: more can never fit
@@ -118,6 +118,7 @@ class CoreShare:
             self._write(WAITING, ticket)
             if self._admit(ticket) is not None:
                 return
+        self.release()  # another worker's step has the cores: leave them to it while waiting
         started = time.monotonic()
         while True:
             self._poller.poll(_RECHECK_S * 1000)
@@ -140,9 +141,14 @@ class CoreShare:
             waiting = self._waiting_slots()
         if waiting:
             self.handoffs += 1
-            if self._release_team is not None:
-                self._release_team()
+            self.release()
         self._ring_peers(waiting)
+
+    def release(self) -> None:
+        """End this worker's spinning OpenMP team now, where a ``release_team`` hook was given
+        (also when its engine goes idle: nothing of it should spin on shared cores then)."""
+        if self._release_team is not None:
+            self._release_team()
 
     def ring(self) -> None:
         """Wake this worker's ``before_step`` wait (from any thread), e.g. for a new command."""

@@ -164,9 +164,13 @@ class _RecordingShare:
 
     def __init__(self, events: list[str]) -> None:
         self.events = events
+        self.team_ends: list[int] = []  # len(events) at each release(): when the team was ended
 
     def before_step(self, on_wake=None) -> None:
         self.events.append("turn")
+
+    def release(self) -> None:
+        self.team_ends.append(len(self.events))
 
     def after_step(self) -> None:
         self.events.append("release")
@@ -209,5 +213,29 @@ def test_call_in_turn_runs_while_holding_the_cores_and_its_requests_join_that_st
         with pytest.raises(ZeroDivisionError):  # its error reaches the caller, the loop lives on
             eng.call_in_turn(lambda e: 1 / 0)
         assert eng.is_alive and eng.call_in_turn(lambda e: 2) == 2
+    finally:
+        eng.shutdown()
+
+
+def test_a_loop_that_goes_idle_ends_its_team_once(tiny_model_dir):
+    """Nothing of an idle worker should spin on shared cores (kernels.openmp.release_team)."""
+    import time
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    events: list[str] = []
+    share = _RecordingShare(events)
+    eng = AsyncEngine(llm.engine, core_share=share)
+    eng.idle_wait_s = 0.01
+    try:
+        time.sleep(0.1)
+        assert share.team_ends == []  # idle from the start: it never had a team to end
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        eng.call(lambda e: e.add_request("t", [5, 6, 7], params))
+        deadline = time.monotonic() + 10
+        while not share.team_ends and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # idle turns of the loop since then end nothing more
+        steps = events.count("turn")
+        assert steps >= 3 and share.team_ends == [len(events)]  # once, after the last step's turn
     finally:
         eng.shutdown()

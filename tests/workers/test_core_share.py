@@ -71,17 +71,22 @@ def test_a_step_that_does_not_fit_waits_for_the_running_one(board):
     assert b.wait_seconds > 0
 
 
-def test_a_step_ends_its_team_only_when_it_hands_the_cores_to_a_waiter(board):
-    a, b, log, t = _a_running_b_waiting(board)
-    released: list[bool] = []
-    a._release_team = lambda: released.append(log == [])  # True: before b was let in
-    a.after_step()
+def test_a_worker_ends_its_team_before_it_waits_and_when_it_hands_over(board):
+    a, b = board(2, cores=2, threads=2)
+    log: list[int] = []
+    ends: list[tuple[str, int]] = []  # (who, steps let in so far)
+    a._release_team = lambda: ends.append(("a", len(log)))
+    b._release_team = lambda: ends.append(("b", len(log)))
+    a.before_step()  # admitted at once: keeps its team
+    t = _start(b, log, 1)
+    _wait_until(lambda: ends == [("b", 0)])  # b must wait: its team must not spin on a's cores
+    a.after_step()  # hands over: ends its team before b is let in
     t.join(5)
-    assert released == [True] and log == [1] and a.handoffs == 1
+    assert ends == [("b", 0), ("a", 0)] and log == [1] and a.handoffs == 1
     b.after_step()
-    a.before_step()  # nobody waits: a keeps its team spinning for its next step
+    a.before_step()  # nobody waits, nobody runs: a keeps its team for its next step
     a.after_step()
-    assert released == [True] and a.handoffs == 1
+    assert len(ends) == 2 and a.handoffs == 1 and b.handoffs == 0
 
 
 def test_busy_workers_alternate_in_asking_order(board):
