@@ -201,7 +201,8 @@ class Worker:
         out["pair_groups"] = len(self._pairs)
         out["mapped_peer_caches"] = len(self._mapped)
         out["tracked_requests"] = len(self._owner)
-        out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
+        with self._out_cv:
+            out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
         return out
 
     def health(self) -> bool:
@@ -259,9 +260,8 @@ class Worker:
             if old is not None:
                 old.close()
             self._gone_fronts.discard(front_id)
-            backlog = self._outboxes.pop(front_id, [])
-            conn.send(encode_deltas(backlog))  # also the answer to its hello
-            self._fronts[front_id] = conn
+            self._fronts[front_id] = conn  # first: once answered, the front may ask stats()
+            conn.send(encode_deltas(self._outboxes.pop(front_id, [])))  # also the hello's answer
 
     def _sample_left(self, request_id: str) -> None:
         """One sample finished here or moved to a decode worker; forget the request after the last.
