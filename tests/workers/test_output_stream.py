@@ -32,54 +32,47 @@ def _front(server: OutputServer, front_id: str = "front-a") -> socket.socket:
     return sock
 
 
-def test_frames_arrive_in_order_for_the_front_that_said_hello():
+@pytest.fixture
+def connected():
+    """(the front's socket, the worker side's connection to it) on a running server."""
     reg = _Registry()
     server = OutputServer("127.0.0.1", reg)
     try:
         sock = _front(server)
-        conn = reg.conns["front-a"]
-        payloads = [bytes([i]) * (i * 37) for i in range(50)]
-        for p in payloads:
-            assert conn.send(p)
-        assert [read_frame(sock, 1 << 20) for _ in payloads] == payloads
+        yield sock, reg.conns["front-a"]
     finally:
         server.close()
 
 
-def test_a_slow_reader_never_blocks_the_sender_and_still_gets_every_byte_in_order():
-    reg = _Registry()
-    server = OutputServer("127.0.0.1", reg)
-    try:
-        sock = _front(server)
-        conn = reg.conns["front-a"]
-        # Far more than a loopback socket buffers: the sender must return at once each time and
-        # leave the rest to the writer thread.
-        payloads = [bytes([i % 251]) * 200_000 for i in range(40)]
-        started = time.monotonic()
-        for p in payloads:
-            assert conn.send(p)
-        assert time.monotonic() - started < 5.0
-        assert conn._pending  # the socket could not take it all: the writer holds the rest
-        got = [read_frame(sock, 1 << 20) for _ in payloads]
-        assert got == payloads
-    finally:
-        server.close()
+def test_frames_arrive_in_order_for_the_front_that_said_hello(connected):
+    sock, conn = connected
+    payloads = [bytes([i]) * (i * 37) for i in range(50)]
+    for p in payloads:
+        assert conn.send(p)
+    assert [read_frame(sock, 1 << 20) for _ in payloads] == payloads
 
 
-def test_a_front_that_hangs_up_makes_send_report_false():
-    reg = _Registry()
-    server = OutputServer("127.0.0.1", reg)
-    try:
-        sock = _front(server)
-        conn = reg.conns["front-a"]
-        sock.close()
-        deadline = time.monotonic() + 10
-        while conn.send(b"x" * 1000):  # the first sends may still land in the kernel's buffer
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert conn.closed
-    finally:
-        server.close()
+def test_a_slow_reader_never_blocks_the_sender_and_still_gets_every_byte_in_order(connected):
+    sock, conn = connected
+    # Far more than a loopback socket buffers: the sender must return at once each time and
+    # leave the rest to the writer thread.
+    payloads = [bytes([i % 251]) * 200_000 for i in range(40)]
+    started = time.monotonic()
+    for p in payloads:
+        assert conn.send(p)
+    assert time.monotonic() - started < 5.0
+    assert conn._pending  # the socket could not take it all: the writer holds the rest
+    assert [read_frame(sock, 1 << 20) for _ in payloads] == payloads
+
+
+def test_a_front_that_hangs_up_makes_send_report_false(connected):
+    sock, conn = connected
+    sock.close()
+    deadline = time.monotonic() + 10
+    while conn.send(b"x" * 1000):  # the first sends may still land in the kernel's buffer
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert conn.closed
 
 
 def test_closing_the_server_gives_fronts_eof():
@@ -105,21 +98,15 @@ def test_a_bad_hello_is_dropped_and_the_server_keeps_accepting():
         server.close()
 
 
-def test_a_front_that_stops_reading_is_cut_off_at_the_pending_limit(monkeypatch):
+def test_a_front_that_stops_reading_is_cut_off_at_the_pending_limit(connected, monkeypatch):
     monkeypatch.setattr(output_stream, "MAX_PENDING", 1 << 20)
-    reg = _Registry()
-    server = OutputServer("127.0.0.1", reg)
-    try:
-        sock = _front(server)
-        conn = reg.conns["front-a"]
-        for _ in range(200):  # 20 MB at most; the socket holds a few MB, the limit 1 MB more
-            conn.send(b"z" * 100_000)
-            if conn.closed:
-                break
-        assert conn.closed
-        sock.settimeout(10)
-        with pytest.raises(ConnectionError):  # it reads what the kernel had, then EOF
-            while True:
-                read_frame(sock, 1 << 20)
-    finally:
-        server.close()
+    sock, conn = connected
+    for _ in range(200):  # 20 MB at most; the socket holds a few MB, the limit 1 MB more
+        conn.send(b"z" * 100_000)
+        if conn.closed:
+            break
+    assert conn.closed
+    sock.settimeout(10)
+    with pytest.raises(ConnectionError):  # it reads what the kernel had, then EOF
+        while True:
+            read_frame(sock, 1 << 20)
