@@ -56,7 +56,7 @@ def test_a_slow_reader_never_blocks_the_sender_and_still_gets_every_byte_in_orde
     sock, conn = connected
     # Far more than a loopback socket buffers: the sender must return at once each time and
     # leave the rest to the writer thread.
-    payloads = [bytes([i % 251]) * 200_000 for i in range(40)]
+    payloads = [bytes([i % 251]) * 500_000 for i in range(40)]  # 20 MB
     started = time.monotonic()
     for p in payloads:
         assert conn.send(p)
