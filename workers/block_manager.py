@@ -312,11 +312,15 @@ class BlockManager:
         new_ids = self._pool.allocate(num_alloc)
         if shared:
             srcs = []
+            # A shared block may itself still wait for its copy (a fork of a fork before any
+            # forward): copy from where its contents come from, so that this copy does not depend
+            # on that one, which ``free`` drops if its destination is released first.
+            waiting = {d: s for s, d in self._pending_copies}
             for i, dst in zip(shared, new_ids):
                 srcs.append(table[i])
                 # Only a block holding already computed positions has contents worth copying.
                 if i * bs < num_computed:
-                    self._pending_copies.append((table[i], dst))
+                    self._pending_copies.append((waiting.get(table[i], table[i]), dst))
                 table[i] = dst
             self._pool.release(srcs)
             new_ids = new_ids[len(shared) :]

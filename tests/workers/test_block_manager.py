@@ -153,6 +153,20 @@ def test_copy_into_a_freed_block_is_dropped() -> None:
     assert bm.take_pending_copies() == []
 
 
+def test_a_copy_from_a_block_still_waiting_for_its_own_copy_reads_that_copys_source() -> None:
+    """Fork, copy on write, fork the copy, copy on write again, then free the middle holder: the
+    second copy must not depend on the first, which is dropped with its freed destination."""
+    bm, _ = make(10)
+    run_prompt(bm, "p", [1])  # block 0 holds position 0
+    bm.fork("p", "c")
+    assert bm.allocate("c", [1, 1], 1, 1)  # c's tail: block 1, to be copied from block 0
+    bm.fork("c", "g")
+    assert bm.allocate("g", [1, 1], 1, 1)  # g's tail: block 2, whose contents block 1 has not yet
+    bm.free("c")  # block 1 is free: its copy is dropped
+    assert bm.block_table("g") == [2]
+    assert bm.take_pending_copies() == [(0, 2)]
+
+
 def test_fork_misuse_raises() -> None:
     bm, _ = make(10)
     with pytest.raises(KVCacheError):
