@@ -266,6 +266,15 @@ class KVTransferEngine:
         backend.scatter_kv_blocks(k, ids, buf[0])
         backend.scatter_kv_blocks(v, ids, buf[1])
 
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        """Count one finished transfer. The prefill side calls it for KV the decode side moved
+        itself (the same-machine copy out of its mapped cache), so that both sides report every
+        transfer, as they do on the collective path."""
+        with self._stats_lock:
+            s = self._stats
+            s.transfers, s.bytes, s.seconds = s.transfers + 1, s.bytes + nbytes, s.seconds + seconds
+            s.last_bytes, s.last_seconds = nbytes, seconds
+
     @contextlib.contextmanager
     def _recording(self) -> Iterator[KVTransferStats]:
         rec = KVTransferStats(transfers=1)
@@ -277,10 +286,7 @@ class KVTransferEngine:
                 self._stats.failures += 1
             raise
         rec.seconds = time.perf_counter() - start
-        with self._stats_lock:
-            s = self._stats
-            s.transfers, s.bytes, s.seconds = s.transfers + 1, s.bytes + rec.bytes, s.seconds + rec.seconds
-            s.last_bytes, s.last_seconds = rec.bytes, rec.seconds
+        self.record_transfer(rec.bytes, rec.seconds)
 
 
 def _describe(mask: int) -> str:

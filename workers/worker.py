@@ -299,8 +299,9 @@ class Worker:
                 raise KVTransferError(f"decode worker {target!r} is not known")
             shared = self._maps_our_cache(target, peer)
             if shared:
-                self._until_room(meta, lambda front: peer.receive_kv_shared.remote(
+                nbytes = self._until_room(meta, lambda front: peer.receive_kv_shared.remote(
                     self.worker_id, meta.to_dict(), front, table, self._export))
+                self.transfer.record_transfer(nbytes, time.perf_counter() - started)
             else:
                 needed, dst = self._until_room(meta, lambda front: peer.reserve_incoming.remote(meta.to_dict(), front))
                 self._push(target, peer, member_id, [table[i] for i in needed], dst)
