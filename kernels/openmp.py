@@ -25,7 +25,6 @@ def _omp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime torch loaded (found in /proc/self/maps so that a second copy is never
     loaded), or None where there is none."""
     global _runtime, _looked
-    torch.get_num_threads()  # torch loads its runtime lazily on some builds
     with _lock:
         if not _looked:
             _looked = True
@@ -40,6 +39,9 @@ def _omp_runtime() -> ctypes.CDLL | None:
                     lib.omp_set_num_threads.argtypes, lib.omp_set_num_threads.restype = [ctypes.c_int], None
                 except (OSError, AttributeError):
                     continue
+                pause = getattr(lib, "omp_pause_resource_all", None)  # OpenMP 5.0; older runtimes lack it
+                if pause is not None:
+                    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
                 _runtime = lib
                 break
     return _runtime
@@ -70,9 +72,5 @@ def release_team() -> bool:
     instead of spinning on cores another process is about to use; the next parallel region
     starts a new team (~0.1 ms). Call outside any parallel region. False where the runtime
     cannot (then the team spins out its ``GOMP_SPINCOUNT`` as usual)."""
-    lib = _omp_runtime()
-    fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
-    if fn is None:
-        return False
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn(_OMP_PAUSE_SOFT) == 0
+    pause = getattr(_omp_runtime(), "omp_pause_resource_all", None)
+    return pause is not None and pause(_OMP_PAUSE_SOFT) == 0

@@ -83,7 +83,8 @@ class CoreShare:
         self.path, self.slot, self.cores = Path(path), slot, cores
         # Ends this worker's OpenMP team (kernels.openmp.release_team), whose threads would
         # otherwise spin out libgomp's default (~9 ms) on cores another worker's step is given:
-        # called when a step hands the cores to a waiter and before a step waits for them.
+        # called when a step hands the cores to a waiter, before a step waits for them, and by
+        # the engine loop when it goes idle (``release``).
         self._release_team = release_team
         self.handoffs = 0
         self.threads = min(threads, cores)  # what a step asks for: more can never fit
