@@ -4,94 +4,83 @@ is outside what a kernel handles (dtype, layout, shape), the call goes to the re
 
 Decode attention dominates a CPU decode step at batch sizes that matter (the KV read is several
 times the weights): the reference gathers every sequence's blocks into a padded copy, this kernel
-reads each K/V row once, in place, and skips the padding. Prefill attention over bf16 caches is
-a flash kernel with AVX512_BF16 q.k products, 2-3x torch's CPU SDPA at GQA, D = 64, a few
-hundred tokens (where SDPA reaches ~30 GFLOP/s a core). The element-wise ops (RMSNorm, RoPE,
-SiLU-and-mul) are each one pass over the data instead of a chain of small torch ops.
+reads each K/V row once, in place, and skips the padding. Prefill attention over fp32 and bf16
+caches is a flash kernel (AVX512_BF16 q.k products for bf16 where the CPU has them, fp32 8-lane
+vectors everywhere else): on AVX2 at GQA, D = 64, ~2-2.5x torch's CPU SDPA for fresh prompts of a
+few hundred tokens and ~1.4x for a chunk after a long cached context, where SDPA itself runs at
+about half the FMA peak. The element-wise ops (RMSNorm, RoPE, SiLU-and-mul) are each one pass
+over the data instead of a chain of small torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import capabilities, cpu_build, reference
+from kernels.cpu_build import KernelBuildError, UnsupportedTarget, isa
+
+__all__ = ["KernelBuildError", "UnsupportedTarget", "available", "build_library", "isa", "library"]
 
 log = logging.getLogger("baton.kernels")
 _SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "prefill_attention.c",
-                                                                     "elementwise.c"))
-# No -ffast-math: linking it into a shared object sets flush-to-zero for the whole process.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast",
-          "-shared", "-fPIC"]
+                                                                     "elementwise.c", "build_info.c",
+                                                                     "quant_linear.c"))
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name: (restype, argtypes)
     "paged_decode_bf16": (_I, [_P] * 6 + [_I] * 6 + [_F, _I, _I, _I]),
     "paged_decode_f32": (_I, [_P] * 6 + [_I] * 6 + [_F, _I, _I, _I]),
     "paged_prefill_bf16": (_I, [_P] * 7 + [_I] * 6 + [_F, _I, _I]),
+    "paged_prefill_f32": (_I, [_P] * 7 + [_I] * 6 + [_F, _I, _I]),
     "baton_rms_norm": (_I, [_P] * 5 + [_I64, _I, _I, _I, _F, _I]),
     "baton_rope_neox": (_I, [_P] * 6 + [_I64, _I, _I, _I, _I64, _I64, _I64, _I, _I]),
     "baton_silu_and_mul": (None, [_P, _P, _I64, _I, _I, _I]),
     "baton_logits_candidates": (_I, [_P] * 4 + [_I64, _I64, _I64, _F, _I]),
     "baton_write_kv": (_I, [_P] * 5 + [_I64] * 5 + [_I, _I]),
     "baton_argmax_f32": (None, [_P, _P, _I64, _I64, _I64, _I]),
+    "baton_linear_int8": (_I, [_P] * 5 + [_I64] * 6 + [_I, _I]),
+    "baton_linear_int4": (_I, [_P] * 6 + [_I64] * 6 + [_I, _I]),
 }
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
+_built: dict[str, ctypes.CDLL] = {}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("BATON_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "baton")
-    return Path(root) / "kernels"
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler found")
-    digest = hashlib.sha256(" ".join([cc, *_FLAGS]).encode())
-    for src in (*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))):  # headers change the build too
-        digest.update(src.name.encode() + b"\0" + src.read_bytes())
-    target = _cache_dir() / f"baton_cpu_{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            subprocess.run([cc, *_FLAGS, "-o", str(out), *map(str, _SOURCES), "-lm"], check=True,
-                           capture_output=True, text=True)
-            os.replace(out, target)  # atomic: concurrent builders each install a complete file
-    lib = ctypes.CDLL(str(target))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+def build_library(target: str | None = None) -> ctypes.CDLL:
+    """The kernels built for ``-march=target`` (default: ``capabilities.kernel_target()``), once per
+    process; raises ``UnsupportedTarget`` or ``KernelBuildError`` (see ``kernels.cpu_build``)."""
+    target = target or capabilities.kernel_target()
+    with _lock:
+        if target not in _built:
+            _built[target] = cpu_build.build(_SOURCES, _SIGNATURES, target)
+        return _built[target]
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, building them on first use; None when that is not possible here."""
+    """The compiled kernels for this CPU, building them on first use; None when that is not possible here."""
     global _lib, _failed
-    if _lib is not None or _failed:
-        return _lib
-    with _lock:
-        if _lib is None and not _failed:
-            try:
-                _lib = _build()
-            except Exception as exc:  # no compiler, or it failed: fall back to the reference
-                _failed = True
-                detail = getattr(exc, "stderr", "") or exc
-                log.warning("native CPU kernels unavailable, using the torch reference: %s", detail)
+    if _lib is None and not _failed:
+        try:
+            lib = build_library()  # concurrent first callers wait in there for one build
+        except (KernelBuildError, UnsupportedTarget) as exc:  # fall back to the reference
+            _failed = True
+            log.warning("native CPU kernels unavailable, using the torch reference: %s", exc)
+            return None
+        _lib = lib
     return _lib
+
+
+def describe() -> str:
+    """Which native kernels this process runs, for the start-up log line."""
+    lib = library()
+    if lib is None:
+        return "native kernels unavailable (torch reference)"
+    return f"kernels -march={capabilities.kernel_target()} ({isa(lib) or 'portable, no vector extensions'})"
 
 
 def available() -> bool:
@@ -151,19 +140,21 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_prefill_attention``: bf16 caches run the native
-    flash kernel (bf16 q.k products, fp32 softmax and accumulation); anything else, the reference."""
+    """Same contract as ``kernels.reference.paged_prefill_attention``: fp32 and bf16 caches with
+    ``D % 8 == 0`` run the native flash kernel (fp32 softmax and accumulation); anything else
+    (fp16, other head dims, non-contiguous caches), the reference. Output dtype = query dtype."""
     total, hq, d = query.shape
     hkv = k_cache.shape[2]
-    if (total and k_cache.dtype == torch.bfloat16 and supports(k_cache) and not hq % hkv and not d % 32
+    kernel = {torch.bfloat16: "paged_prefill_bf16", torch.float32: "paged_prefill_f32"}.get(k_cache.dtype)
+    if (total and kernel and supports(k_cache) and not hq % hkv and not d % 8 and v_cache.dtype == k_cache.dtype
             and v_cache.is_contiguous()):
-        q = query.to(torch.bfloat16).contiguous()  # rounded to the cache dtype, as the reference does
+        q = query.to(k_cache.dtype).contiguous()  # rounded to the cache dtype, as the reference does
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         starts = query_start_loc.to(torch.int32).contiguous()
         out = torch.empty((total, hq, d), dtype=torch.float32)
-        # nonzero when this build or CPU cannot run it (no AVX512_BF16), or out of memory
-        if not library().paged_prefill_bf16(
+        # nonzero only for shapes the checks above already exclude, or when out of memory
+        if not getattr(library(), kernel)(
                 q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                 starts.data_ptr(), out.data_ptr(), lens.shape[0], hq, hkv, d, k_cache.shape[1],
                 tables.shape[1], float(scale), int(sliding_window or 0), torch.get_num_threads()):

@@ -5,9 +5,9 @@
  * (the residual sum; silu before the multiply), nowhere else. bf16 rounding is round-to-nearest
  * -even with NaN -> 0x7FC0, as torch does it, and keeps subnormals.
  *
- * Each row function has an AVX-512 body for 16 elements at a time and a scalar loop that does
- * the tail, or the whole row on machines without AVX-512. Rows are split over OpenMP threads
- * only when there is enough work to pay for waking them.
+ * Each row function has an AVX-512 body for 16 elements at a time, or on AVX2 builds a body in
+ * vec8.h's 8-lane generic vectors, and a scalar loop for the tail and for other CPUs. Rows are
+ * split over OpenMP threads only when there is enough work to pay for waking them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +20,14 @@
 #define INLINE static inline __attribute__((always_inline))
 #include "bf16.h"
 #define PAR_MIN_ELEMS 24576 /* below this a parallel region costs more than the work it splits */
+
+/* vec8's 8-lane vectors are one register only with AVX2. On SSE2 and NEON, GCC 12 keeps a 32-byte
+ * vector that a loop carries (a sum, a running max) in memory and compares it lane by lane, which
+ * makes the vec8 bodies slower than the scalar loops, which GCC vectorises itself at the native
+ * width (all but silu's expf): those builds keep the scalar loops. */
+#if !defined(__AVX512F__) && defined(__AVX2__)
+#define VEC8_BODIES 1
+#endif
 
 INLINE float ld(const void *p, int64_t i, int dt) {
     return dt ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -86,6 +94,48 @@ INLINE __m512 vst_rounded(void *p, int64_t i, __m512 x, int dt) {
 }
 
 #include "vexp.h"
+#elif defined(VEC8_BODIES)
+#include "vec8.h"
+
+INLINE v8f round8_dt(v8f x, int dt) { return dt ? v8_round_bf16(x) : x; }
+
+/* 16 elements as two vectors: fp32 in order, bf16 as the even elements and the odd ones. Each
+ * 32-bit word of bf16 data holds an even element in its low half and the odd one above (x86 is
+ * little-endian), so this widens with a shift and a mask, without v8_load_bf16's lane shuffles,
+ * and st16 packs back without v8_store_bf16's. For ops that pair elements of equal index only. */
+INLINE void ld16(const void *p, int64_t i, int dt, v8f *a, v8f *b) {
+    if (dt) {
+        v8u u;
+        memcpy(&u, (const uint16_t *)p + i, sizeof u);
+        *a = (v8f)(u << 16);
+        *b = (v8f)(u & 0xFFFF0000u);
+    } else {
+        *a = v8_load((const float *)p + i);
+        *b = v8_load((const float *)p + i + 8);
+    }
+}
+
+/* 16 fp32 values in the order ld16 reads dtype dt, to pair with its vectors element by element. */
+INLINE void ld16_order(const float *p, int dt, v8f *a, v8f *b) {
+    const v8f u = v8_load(p), v = v8_load(p + 8);
+    if (dt) {
+        *a = v8_evens(u, v);
+        *b = v8_odds(u, v);
+    } else {
+        *a = u;
+        *b = v;
+    }
+}
+
+INLINE void st16(void *p, int64_t i, v8f a, v8f b, int dt) {
+    if (dt) {
+        const v8u u = v8_bf16_bits(a) | v8_bf16_bits(b) << 16;
+        memcpy((uint16_t *)p + i, &u, sizeof u);
+    } else {
+        v8_store((float *)p + i, a);
+        v8_store((float *)p + i + 8, b);
+    }
+}
 #endif
 
 /* One row of (residual add +) RMSNorm. With r, y = round(x + r) goes to rout and is normalised. */
@@ -103,6 +153,25 @@ INLINE void rms_row(const void *x, const void *r, void *out, void *rout, const f
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     ss = _mm512_reduce_add_ps(acc);
+#elif defined(VEC8_BODIES)
+    /* 16 at a time (ld16's order; two sums also halve the add latency the loop waits on) */
+    v8f acc0 = v8_zero(), acc1 = v8_zero();
+    for (; i + 16 <= H; i += 16) {
+        v8f v0, v1;
+        ld16(x, i, dt, &v0, &v1);
+        if (r) {
+            v8f r0, r1;
+            ld16(r, i, dt, &r0, &r1);
+            v0 += r0;
+            v1 += r1;
+            st16(rout, i, v0, v1, dt); /* rounds as round8_dt does: the compiler shares the work */
+            v0 = round8_dt(v0, dt);
+            v1 = round8_dt(v1, dt);
+        }
+        acc0 += v0 * v0;
+        acc1 += v1 * v1;
+    }
+    ss = v8_hsum(acc0 + acc1);
 #endif
     for (; i < H; i++) {
         float v = ld(x, i, dt);
@@ -118,9 +187,28 @@ INLINE void rms_row(const void *x, const void *r, void *out, void *rout, const f
     for (; i + 16 <= H; i += 16)
         vst(out, i, _mm512_mul_ps(_mm512_mul_ps(vld(y, i, dt), _mm512_set1_ps(inv)), _mm512_loadu_ps(w + i)),
             dt);
+#elif defined(VEC8_BODIES)
+    for (; i + 16 <= H; i += 16) { /* w is stored in ld16's order (rms_weight_index) */
+        v8f y0, y1;
+        ld16(y, i, dt, &y0, &y1);
+        st16(out, i, y0 * inv * v8_load(w + i), y1 * inv * v8_load(w + i + 8), dt);
+    }
 #endif
     for (; i < H; i++)
         st(out, i, ld(y, i, dt) * inv * w[i], dt);
+}
+
+/* Where rms_row reads weight i: in ld16's order within each full block of 16 on vec8 builds. */
+INLINE int rms_weight_index(int i, int H, int dt) {
+#if defined(VEC8_BODIES)
+    if (dt && i < H / 16 * 16) {
+        const int k = i % 16;
+        return i - k + (k < 8 ? 2 * k : 2 * k - 15); /* evens 0..14, then odds 1..15 */
+    }
+#else
+    (void)H, (void)dt;
+#endif
+    return i;
 }
 
 /* out = rms_norm(x) or (rms_norm(x + r), x + r into rout); x, r, out, rout are [rows, H]
@@ -132,7 +220,7 @@ int baton_rms_norm(const void *x, const void *r, void *out, void *rout, const vo
     if (!wf)
         return -1;
     for (int i = 0; i < H; i++)
-        wf[i] = ld(w, i, w_dt);
+        wf[i] = ld(w, rms_weight_index(i, H, dt), w_dt);
     const size_t esz = dt ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * H >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < rows; t++) {
@@ -149,9 +237,9 @@ int baton_rms_norm(const void *x, const void *r, void *out, void *rout, const vo
     return 0;
 }
 
-/* Neox rotation of one head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) over the two halves. */
-INLINE void rope_head(const void *x, void *o, const float *cs, int half, int dt) {
-    int i = 0;
+/* Neox rotation of one head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) over the two halves, from
+ * element i of each on. */
+INLINE void rope_head(const void *x, void *o, const float *cs, int half, int i, int dt) {
 #if defined(__AVX512F__)
     for (; i + 16 <= half; i += 16) {
         const __m512 c = _mm512_loadu_ps(cs + i), s = _mm512_loadu_ps(cs + half + i);
@@ -169,8 +257,26 @@ INLINE void rope_head(const void *x, void *o, const float *cs, int half, int dt)
 
 INLINE void rope_heads(const char *x, char *o, const float *cs, int H, int D, int dt) {
     const size_t hb = (size_t)D * (dt ? 2 : 4);
+    const int half = D / 2;
+    int i = 0;
+#if defined(VEC8_BODIES)
+    /* 16 elements of each half of every head at a time: their cos and sin, put in ld16's order
+     * once, serve all H heads */
+    for (; i + 16 <= half; i += 16) {
+        v8f c0, c1, s0, s1;
+        ld16_order(cs + i, dt, &c0, &c1);
+        ld16_order(cs + half + i, dt, &s0, &s1);
+        for (int h = 0; h < H; h++) {
+            v8f a0, a1, b0, b1;
+            ld16(x + h * hb, i, dt, &a0, &a1);
+            ld16(x + h * hb, half + i, dt, &b0, &b1);
+            st16(o + h * hb, i, a0 * c0 - b0 * s0, a1 * c1 - b1 * s1, dt);
+            st16(o + h * hb, half + i, b0 * c0 + a0 * s0, b1 * c1 + a1 * s1, dt);
+        }
+    }
+#endif
     for (int h = 0; h < H; h++)
-        rope_head(x + h * hb, o + h * hb, cs, D / 2, dt);
+        rope_head(x + h * hb, o + h * hb, cs, half, i, dt);
 }
 
 /* Neox RoPE over the full head dim: q [T, Hq, D] and k [T, Hkv, D] with heads contiguous and
@@ -199,6 +305,15 @@ int baton_rope_neox(const int64_t *pos, const void *q, const void *k, void *qo, 
     return 0;
 }
 
+#if defined(VEC8_BODIES)
+/* round(silu(a)). Past v8_exp's clamp (-a > 88.3) e^-a is taken as inf, as expf overflows to it
+ * near there: silu(a) is then -0 (NaN for -inf) like the scalar loop's and torch's, not a / 2^127. */
+INLINE v8f silu8(v8f a, int dt) {
+    const v8f e = v8_select(-a > 88.3f, v8_set1(INFINITY), v8_exp(-a));
+    return round8_dt(a / (1.f + e), dt);
+}
+#endif
+
 /* out[t, i] = round(round(silu(a)) * b) with a = x[t, i], b = x[t, I + i] (one rounding per
  * tensor the reference materialises; no-ops in fp32). */
 INLINE void silu_row(const void *x, void *o, int I, int dt) {
@@ -210,6 +325,13 @@ INLINE void silu_row(const void *x, void *o, int I, int dt) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
         const __m512 s = vround_dt(_mm512_div_ps(a, _mm512_add_ps(one, e)), dt);
         vst(o, i, _mm512_mul_ps(s, vld(x, I + i, dt)), dt);
+    }
+#elif defined(VEC8_BODIES)
+    for (; i + 16 <= I; i += 16) {
+        v8f a0, a1, b0, b1;
+        ld16(x, i, dt, &a0, &a1);
+        ld16(x, I + i, dt, &b0, &b1);
+        st16(o, i, silu8(a0, dt) * b0, silu8(a1, dt) * b1, dt);
     }
 #endif
     for (; i < I; i++) {
@@ -255,6 +377,14 @@ int baton_logits_candidates(const uint16_t *in, float *out, int32_t *cand, int32
             vm = _mm512_max_ps(vm, v);
         }
         m = _mm512_reduce_max_ps(vm);
+#elif defined(VEC8_BODIES)
+        v8f vm = v8_set1(-INFINITY);
+        for (; i + 8 <= V; i += 8) {
+            const v8f v = v8_load_bf16(x + i);
+            v8_store(o + i, v);
+            vm = v8_max(v, vm); /* v first: a NaN is skipped, as in the scalar loop */
+        }
+        m = v8_hmax(vm);
 #endif
         for (; i < V; i++) {
             o[i] = ld(x, i, 1);
@@ -276,6 +406,15 @@ int baton_logits_candidates(const uint16_t *in, float *out, int32_t *cand, int32
                 k &= k - 1;
             }
         }
+#elif defined(VEC8_BODIES)
+        for (; i + 8 <= V; i += 8)
+            if (v8_any(v8_load(o + i) >= thr)) /* rare: a handful of columns per row */
+                for (int j = 0; j < 8; j++)
+                    if (o[i + j] >= thr) {
+                        if (n < max_cands)
+                            cand[r * max_cands + n] = (int32_t)(i + j);
+                        n++;
+                    }
 #endif
         for (; i < V; i++)
             if (o[i] >= thr) {
@@ -314,7 +453,8 @@ int baton_write_kv(const void *k, const void *v, void *kc, void *vc, const int64
 
 /* Row-wise argmax of fp32 [rows, cols] (row stride ld) with torch's semantics: the first index of
  * the maximum, and the first NaN if a row has one. torch's CPU argmax is a scalar loop; here one
- * vector pass finds the max (and any NaN), a second the first index holding it. */
+ * vector pass finds the max (and any NaN), a second the first index holding it (8 lanes at a
+ * time on AVX2 builds, a scalar loop elsewhere). */
 void baton_argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, int64_t ld, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * cols >= 8 * PAR_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
@@ -332,13 +472,32 @@ void baton_argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, 
         }
         m = _mm512_reduce_max_ps(vm);
         nan = un != 0;
+#elif defined(VEC8_BODIES)
+        v8f vm = v8_set1(-INFINITY);
+        v8i un = {0};
+        for (; i + 8 <= cols; i += 8) {
+            const v8f v = v8_load(p + i);
+            un |= v != v;
+            vm = v8_max(v, vm);
+        }
+        m = v8_hmax(vm);
+        nan = v8_any(un);
 #endif
         for (; i < cols; i++) {
             nan |= p[i] != p[i];
             m = p[i] > m ? p[i] : m;
         }
+        i = 0;
+#if defined(VEC8_BODIES)
+        /* skip the blocks of 8 without a hit; the scalar loop finds the first in the one that has */
+        for (; i + 8 <= cols; i += 8) {
+            const v8f v = v8_load(p + i);
+            if (v8_any(nan ? v != v : v == m))
+                break;
+        }
+#endif
         int64_t best = 0;
-        for (i = 0; i < cols; i++)
+        for (; i < cols; i++)
             if (nan ? p[i] != p[i] : p[i] == m) {
                 best = i;
                 break;

@@ -1,36 +1,46 @@
-/* Causal prefill attention for CPUs over the paged KV cache, bf16 (AVX512_BF16), flash style:
- * q.k by vdpbf16ps (exact bf16 products, fp32 sums), online softmax in fp32, P.V by vdpbf16ps
- * on bf16-rounded probabilities (as GPU flash kernels do) with fp32 accumulation.
+/* Causal prefill attention for CPUs over the paged KV cache, flash style (online softmax in
+ * fp32). Two implementations:
  *
- * A task is (sequence s, KV head h, a chunk of QCHUNK query positions). It first copies the
- * keys its chunk can see into a VNNI tile layout (16 keys x D/2 bf16 pairs, so one vdpbf16ps
- * scores 16 keys on one pair of dims) and the values into key pairs (each 32-bit word holds
- * one dim of two consecutive keys, so one vdpbf16ps adds two keys' share to 16 output dims);
- * both stay in L2 while the chunk's G query heads x QCHUNK positions sweep them, 4 rows at a
- * time with the rows' output accumulators in registers. torch's CPU flash attention runs these shapes (GQA, a few
- * hundred tokens, D = 64) at ~30 GFLOP/s per core; this is several times that.
+ * - bf16 caches with AVX512_BF16: q.k by vdpbf16ps (exact bf16 products, fp32 sums), P.V by
+ *   vdpbf16ps on bf16-rounded probabilities (as GPU flash kernels do) with fp32 accumulation.
+ *   A task is (sequence s, KV head h, a chunk of QCHUNK query positions). It first copies the
+ *   keys its chunk can see into a VNNI tile layout (16 keys x D/2 bf16 pairs, so one vdpbf16ps
+ *   scores 16 keys on one pair of dims) and the values into key pairs (each 32-bit word holds
+ *   one dim of two consecutive keys, so one vdpbf16ps adds two keys' share to 16 output dims);
+ *   both stay in L2 while the chunk's G query heads x QCHUNK positions sweep them, 4 rows at a
+ *   time with the rows' output accumulators in registers. torch's CPU flash attention runs these
+ *   shapes (GQA, a few hundred tokens, D = 64) at ~30 GFLOP/s per core; this is several times that.
  *
- * Contract of paged_prefill_bf16 (same as kernels.reference.paged_prefill_attention): q bf16
- * [T, Hq, D]; sequence s owns rows q_start[s]..q_start[s+1]-1, the last q_len of its
- * seq_lens[s] positions; caches [blocks, BS, Hkv, D] hold every position's K/V already;
- * tables [S, MB] int32; out fp32 [T, Hq, D]. Returns 0, or -1 when this build cannot run the
- * shape (no AVX512_BF16, D % 32 != 0, D > 256, Hq % Hkv != 0): the caller uses the reference.
+ * - Everything else (fp32 caches on every build, bf16 caches without AVX512_BF16): fp32 math in
+ *   vec8.h's 8-lane vectors (AVX2, SSE2 or NEON registers), bf16 K/V widened exactly on load.
+ *   See "vec8 path" below.
+ *
+ * Contract of paged_prefill_{bf16,f32} (same as kernels.reference.paged_prefill_attention):
+ * q [T, Hq, D] in the cache dtype (bf16 bits or fp32); sequence s owns rows
+ * q_start[s]..q_start[s+1]-1, the last q_len of its seq_lens[s] positions; caches
+ * [blocks, BS, Hkv, D] hold every position's K/V already (other slots may hold anything, NaN
+ * included, and table entries past a sequence are never read); tables [S, MB] int32; out fp32
+ * [T, Hq, D]. Returns 0, or -1 for shapes no path takes (D % 8 != 0, D > 256, Hq % Hkv != 0) or
+ * when memory runs out: the caller uses the reference. bf16 shapes the AVX512_BF16 kernel does
+ * not take (D % 32 != 0) go to the vec8 path.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define INLINE static inline __attribute__((always_inline))
-#include "vexp.h"
 
-#define QCHUNK 64 /* query positions per task: enough rows to amortise the K/V copy */
-#define MAX_DV 16 /* D / 16 for D <= 256 */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     int s, h, i0, i1; /* sequence, KV head, query rows [i0, i1) of the sequence's chunk */
 } prefill_task;
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include "vexp.h"
+
+#define QCHUNK 64 /* query positions per task: enough rows to amortise the K/V copy */
+#define MAX_DV 16 /* D / 16 for D <= 256 */
 
 /* Lane r (0..3) of the result is the max (or the sum) of the 16 lanes of a[r]: one shared
  * shuffle tree, 12 ops for the four rows instead of four separate 8-op reductions. */
@@ -188,12 +198,317 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
 }
 #endif
 
+/* ---- vec8 path -----------------------------------------------------------------------------
+ * A task is (sequence s, KV head h, a chunk of V8_QROWS query positions), all G query heads of
+ * h. Its keys are swept in blocks of V8_KEYS: each block is copied (bf16 widened) into K tiles
+ * of 8 keys stored dim-major (kt[(tile * D + d) * 8 + j]: the scores of 8 keys for one query row
+ * are D broadcast-FMAs, no horizontal sums) and V rows (v[j * D + d]), ~32 KB at D = 64 that stay
+ * in L1 while every query row of the task that sees the block goes over it, V8_R rows at a time.
+ * Key block outermost means each K/V row is copied once per task and the rows' running state
+ * (unnormalised outputs, max, sum: G x V8_QROWS x D floats) lives in L2 between blocks.
+ */
+#include "vec8.h"
+#include "vec8_attention.h"
+
+#define V8_QROWS 64 /* query positions per task: enough rows to amortise the K/V copy */
+#define V8_KEYS 64  /* keys per block */
+#define V8_R (V8_NARROW ? 2 : 4) /* query rows per micro-kernel: 4 rows x 2 key tiles = 8 accumulators */
+
+typedef struct {
+    float *kt, *v; /* the current key block, layouts above */
+    float *q;      /* the task's queries times scale: q[(g * V8_QROWS + i) * D + d] */
+    float *o;      /* unnormalised outputs, same layout */
+    float *m, *l;  /* running max and sum per row [g * V8_QROWS + i] */
+} v8_scratch;
+
+INLINE float ld1(const void *p, size_t i, int bf16) {
+    if (bf16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* Keys k0 .. k0+nk-1 of (sequence table, head h) into the block buffers; the last tile's unused
+ * columns and rows are zeros (never a stale NaN: p = 0 times NaN would still be NaN). */
+INLINE void v8_copy_block(const void *kc, const void *vc, const int32_t *table, int h, int Hkv, int D,
+                          int BS, int k0, int nk, int bf16, float *kt, float *v) {
+    for (int j = 0; j < nk; j++) {
+        const int t = k0 + j;
+        const size_t row = (((size_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
+        float *kd = kt + (size_t)(j / 8) * D * 8 + j % 8;
+        for (int d = 0; d < D; d++)
+            kd[(size_t)d * 8] = ld1(kc, row + d, bf16);
+        for (int d = 0; d < D; d += 8)
+            v8_store(v + (size_t)j * D + d, v8_load_kv(vc, row + d, bf16));
+    }
+    for (int j = nk; j % 8; j++) {
+        float *kd = kt + (size_t)(j / 8) * D * 8 + j % 8;
+        for (int d = 0; d < D; d++)
+            kd[(size_t)d * 8] = 0.f;
+        memset(v + (size_t)j * D, 0, sizeof(float) * D);
+    }
+}
+
+/* S[r][8 (t - t0) + j] = q_r . key (8 t + j) for tiles [t0, t1), two tiles at a time: per dim
+ * 2 tile loads and V8_R broadcasts feed 2 V8_R FMAs. */
+INLINE void v8_scores(const float *const qr[V8_R], const float *kt, int t0, int t1, int D,
+                      float S[V8_R][V8_KEYS]) {
+    int t = t0;
+    for (; t + 2 <= t1; t += 2) {
+        const float *k0 = kt + (size_t)t * D * 8, *k1 = k0 + (size_t)D * 8;
+        v8acc a[V8_R][2];
+        for (int r = 0; r < V8_R; r++)
+            a[r][0] = a[r][1] = v8acc_of(v8_zero());
+        for (int d = 0; d < D; d++) {
+            v8f x = v8_load(k0 + 8 * d), y = v8_load(k1 + 8 * d);
+            V8_IN_REG(x);
+            V8_IN_REG(y);
+            for (int r = 0; r < V8_R; r++) {
+                const v8f b = v8_set1(qr[r][d]);
+                a[r][0] = v8acc_fma(a[r][0], b, x);
+                a[r][1] = v8acc_fma(a[r][1], b, y);
+            }
+        }
+        for (int r = 0; r < V8_R; r++) {
+            v8_store(&S[r][8 * (t - t0)], v8acc_get(a[r][0]));
+            v8_store(&S[r][8 * (t - t0) + 8], v8acc_get(a[r][1]));
+        }
+    }
+    if (t < t1) {
+        const float *k0 = kt + (size_t)t * D * 8;
+        v8acc a[V8_R];
+        for (int r = 0; r < V8_R; r++)
+            a[r] = v8acc_of(v8_zero());
+        for (int d = 0; d < D; d++) {
+            v8f x = v8_load(k0 + 8 * d);
+            V8_IN_REG(x);
+            for (int r = 0; r < V8_R; r++)
+                a[r] = v8acc_fma(a[r], v8_set1(qr[r][d]), x);
+        }
+        for (int r = 0; r < V8_R; r++)
+            v8_store(&S[r][8 * (t - t0)], v8acc_get(a[r]));
+    }
+}
+
+/* o_r = o_r * corr_r + sum over keys [j0, j1) of P[r][j - jb] v_j, on dims [c, c + 8 NC). */
+INLINE void v8_pv(float *const orow[V8_R], const float corr[V8_R], float P[V8_R][V8_KEYS], const float *v,
+                  int jb, int j0, int j1, int c, int D, int nr, int NC) {
+    v8acc a[V8_R][2];
+    for (int r = 0; r < V8_R; r++)
+        for (int k = 0; k < NC; k++)
+            a[r][k] = v8acc_of(v8_load(orow[r] + c + 8 * k) * corr[r]);
+    for (int j = j0; j < j1; j++) {
+        v8f x[2];
+        for (int k = 0; k < NC; k++) {
+            x[k] = v8_load(v + (size_t)j * D + c + 8 * k);
+            V8_IN_REG(x[k]);
+        }
+        for (int r = 0; r < V8_R; r++) {
+            const v8f b = v8_set1(P[r][j - jb]);
+            for (int k = 0; k < NC; k++)
+                a[r][k] = v8acc_fma(a[r][k], b, x[k]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < NC; k++)
+            v8_store(orow[r] + c + 8 * k, v8acc_get(a[r][k]));
+}
+
+/* Scratch rows row0 .. row0+nr-1 (nr <= V8_R: one head, consecutive positions) against the
+ * current key block of nk keys. pos[r] and lo[r] are row r's own position and first visible key,
+ * relative to the block's first key. Rows past nr repeat row nr-1: computed, never stored. */
+INLINE void v8_rows(v8_scratch *sc, int row0, int nr, const int pos[V8_R], const int lo[V8_R], int nk,
+                    int D) {
+    float S[V8_R][V8_KEYS] __attribute__((aligned(32)));
+    int jlo = nk, jhi = -1, hi[V8_R];
+    for (int r = 0; r < V8_R; r++) {
+        hi[r] = pos[r] < nk - 1 ? pos[r] : nk - 1;
+        const int l0 = lo[r] > 0 ? lo[r] : 0;
+        jlo = l0 < jlo ? l0 : jlo;
+        jhi = hi[r] > jhi ? hi[r] : jhi;
+    }
+    if (jlo > jhi)
+        return; /* no row sees any key of this block */
+    const int t0 = jlo / 8, t1 = jhi / 8 + 1, jb = 8 * t0;
+    int full = 1; /* every row sees every key of tiles [t0, t1): no masks */
+    for (int r = 0; r < V8_R; r++)
+        full &= lo[r] <= jb && hi[r] >= 8 * t1 - 1;
+    const float *qr[V8_R];
+    float *orow[V8_R];
+    for (int r = 0; r < V8_R; r++) {
+        const int ri = row0 + (r < nr ? r : nr - 1);
+        qr[r] = sc->q + (size_t)ri * D;
+        orow[r] = sc->o + (size_t)ri * D;
+    }
+    v8_scores(qr, sc->kt, t0, t1, D, S);
+    /* online softmax: the block's max per row, then probabilities in place of the scores */
+    v8f bmax = v8_set1(-INFINITY), mold = v8_zero();
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int r = 0; r < V8_R; r++) {
+        v8f mx = v8_set1(-INFINITY);
+        for (int t = 0; t < t1 - t0; t++) {
+            v8f x = v8_load(&S[r][8 * t]);
+            if (!full) {
+                const v8i j = lane + (jb + 8 * t);
+                x = v8_select((j >= lo[r]) & (j <= hi[r]), x, v8_set1(-INFINITY));
+                v8_store(&S[r][8 * t], x);
+            }
+            mx = v8_max(mx, x);
+        }
+        bmax[r] = v8_hmax(mx);
+        mold[r] = sc->m[row0 + (r < nr ? r : nr - 1)];
+    }
+    /* m starts at -1e30, not -inf: a row's first rescale is exp(-huge) on zeros, never NaN */
+    const v8f mnew = v8_max(mold, bmax);
+    const v8f corr8 = v8_exp(mold - mnew);
+    float corr[V8_R];
+    for (int r = 0; r < V8_R; r++) {
+        v8f sum = v8_zero();
+        for (int t = 0; t < t1 - t0; t++) {
+            v8f p = v8_exp(v8_load(&S[r][8 * t]) - mnew[r]);
+            if (!full) /* masked scores are -inf: exp clamps them to 1e-38, make them 0 */
+                p = v8_select(v8_load(&S[r][8 * t]) == v8_set1(-INFINITY), v8_zero(), p);
+            v8_store(&S[r][8 * t], p);
+            sum += p;
+        }
+        corr[r] = corr8[r];
+        if (r < nr) {
+            sc->l[row0 + r] = sc->l[row0 + r] * corr[r] + v8_hsum(sum);
+            sc->m[row0 + r] = mnew[r];
+        }
+    }
+    int c = 0;
+    for (; c + 16 <= D; c += 16)
+        v8_pv(orow, corr, S, sc->v, jb, jlo, jhi + 1, c, D, nr, 2);
+    if (c < D)
+        v8_pv(orow, corr, S, sc->v, jb, jlo, jhi + 1, c, D, nr, 1);
+}
+
+INLINE void v8_prefill_task(const void *q, const void *kc, const void *vc, const int32_t *tables,
+                            const int32_t *lens, const int32_t *qstart, float *out, prefill_task tk, int Hq,
+                            int Hkv, int D, int BS, int MB, float scale, int window, int bf16, v8_scratch *sc) {
+    const int G = Hq / Hkv, n = tk.i1 - tk.i0;
+    const int L = lens[tk.s];
+    const int base = L - (qstart[tk.s + 1] - qstart[tk.s]); /* position of the chunk's first query */
+    const int32_t *table = tables + (size_t)tk.s * MB;
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < n; i++) {
+            const size_t src = ((size_t)(qstart[tk.s] + tk.i0 + i) * Hq + (size_t)tk.h * G + g) * D;
+            const size_t row = (size_t)g * V8_QROWS + i;
+            for (int d = 0; d < D; d += 8) {
+                v8_store(sc->q + row * D + d, v8_load_kv(q, src + d, bf16) * scale);
+                v8_store(sc->o + row * D + d, v8_zero());
+            }
+            sc->m[row] = -1e30f;
+            sc->l[row] = 0.f;
+        }
+    const int p0 = base + tk.i0, last = base + tk.i1 - 1;
+    const int first = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    for (int k0 = first; k0 <= last; k0 += V8_KEYS) {
+        const int nk = last + 1 - k0 < V8_KEYS ? last + 1 - k0 : V8_KEYS;
+        v8_copy_block(kc, vc, table, tk.h, Hkv, D, BS, k0, nk, bf16, sc->kt, sc->v);
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < n; i += V8_R) {
+                const int nr = n - i < V8_R ? n - i : V8_R;
+                int pos[V8_R], lo[V8_R];
+                for (int r = 0; r < V8_R; r++) {
+                    pos[r] = p0 + i + (r < nr ? r : nr - 1) - k0;
+                    lo[r] = window > 0 ? pos[r] - window + 1 : -k0;
+                }
+                v8_rows(sc, g * V8_QROWS + i, nr, pos, lo, nk, D);
+            }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < n; i++) {
+            const size_t row = (size_t)g * V8_QROWS + i;
+            const float lsum = sc->l[row];
+            const v8f inv = v8_set1(lsum > 0.f ? 1.f / lsum : 0.f);
+            float *dst = out + ((size_t)(qstart[tk.s] + tk.i0 + i) * Hq + (size_t)tk.h * G + g) * D;
+            for (int d = 0; d < D; d += 8)
+                v8_store(dst + d, v8_load(sc->o + row * D + d) * inv);
+        }
+}
+
+typedef struct {
+    long cost; /* query rows x keys they see, about */
+    prefill_task t;
+} v8_costed_task;
+
+static int v8_by_cost(const void *a, const void *b) {
+    const long x = ((const v8_costed_task *)a)->cost, y = ((const v8_costed_task *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+static int v8_prefill(const void *q, const void *kc, const void *vc, const int32_t *tables, const int32_t *lens,
+                      const int32_t *qstart, float *out, int S, int Hq, int Hkv, int D, int BS, int MB,
+                      float scale, int window, int nthreads, int bf16) {
+    if (D % 8 || D > 256 || D <= 0 || Hkv <= 0 || Hq % Hkv)
+        return -1;
+    const int G = Hq / Hkv;
+    int n = 0;
+    for (int s = 0; s < S; s++)
+        n += Hkv * ((qstart[s + 1] - qstart[s] + V8_QROWS - 1) / V8_QROWS);
+    v8_costed_task *tasks = malloc(sizeof(v8_costed_task) * (size_t)(n > 0 ? n : 1));
+    if (!tasks)
+        return -1;
+    n = 0;
+    for (int s = 0; s < S; s++) {
+        const int q_len = qstart[s + 1] - qstart[s];
+        for (int i0 = 0; i0 < q_len; i0 += V8_QROWS) {
+            const int i1 = i0 + V8_QROWS < q_len ? i0 + V8_QROWS : q_len;
+            const int last = lens[s] - q_len + i1 - 1, first = window > 0 ? last - (i1 - i0) - window + 2 : 0;
+            const long keys = last + 1 - (first > 0 ? first : 0);
+            for (int h = 0; h < Hkv; h++)
+                tasks[n++] = (v8_costed_task){keys * (i1 - i0), {s, h, i0, i1}};
+        }
+    }
+    /* the costliest tasks first: the chunks late in a prompt see the most keys, and left at the
+     * end of the loop they are the tail one thread finishes alone */
+    qsort(tasks, (size_t)n, sizeof *tasks, v8_by_cost);
+    const size_t rows = (size_t)G * V8_QROWS;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        float *buf = aligned_alloc(64, (sizeof(float) * ((2 * V8_KEYS + 2 * rows) * D + 2 * rows) + 63) / 64 * 64);
+        v8_scratch sc = {0};
+        if (buf)
+            sc = (v8_scratch){buf, buf + V8_KEYS * D, buf + 2 * V8_KEYS * D, buf + (2 * V8_KEYS + rows) * D,
+                              buf + (2 * V8_KEYS + 2 * rows) * D, buf + (2 * V8_KEYS + 2 * rows) * D + rows};
+        else {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        /* D is a literal in the calls below (the region is outlined before anything is inlined),
+         * so the common head dims get fully unrolled inner loops */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int i = 0; i < n; i++) {
+            if (!buf)
+                continue;
+            if (D == 64)
+                v8_prefill_task(q, kc, vc, tables, lens, qstart, out, tasks[i].t, Hq, Hkv, 64, BS, MB, scale,
+                                window, bf16, &sc);
+            else if (D == 128)
+                v8_prefill_task(q, kc, vc, tables, lens, qstart, out, tasks[i].t, Hq, Hkv, 128, BS, MB, scale,
+                                window, bf16, &sc);
+            else
+                v8_prefill_task(q, kc, vc, tables, lens, qstart, out, tasks[i].t, Hq, Hkv, D, BS, MB, scale,
+                                window, bf16, &sc);
+        }
+        free(buf);
+    }
+    free(tasks);
+    return failed ? -1 : 0;
+}
+
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int32_t *tables,
                        const int32_t *lens, const int32_t *qstart, float *out, int S, int Hq, int Hkv,
                        int D, int BS, int MB, float scale, int window, int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (D % 32 || D > 256 || Hkv <= 0 || Hq % Hkv)
-        return -1;
+    if (D % 32 || D > 256 || Hkv <= 0 || Hq % Hkv) /* vdpbf16ps wants 32-dim chunks */
+        return v8_prefill(q, kc, vc, tables, lens, qstart, out, S, Hq, Hkv, D, BS, MB, scale, window, nthreads, 1);
     int n = 0;
     for (int s = 0; s < S; s++)
         n += Hkv * ((qstart[s + 1] - qstart[s] + QCHUNK - 1) / QCHUNK);
@@ -236,8 +551,12 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     free(tasks);
     return failed ? -1 : 0;
 #else
-    (void)q; (void)kc; (void)vc; (void)tables; (void)lens; (void)qstart; (void)out; (void)S; (void)Hq;
-    (void)Hkv; (void)D; (void)BS; (void)MB; (void)scale; (void)window; (void)nthreads;
-    return -1;
+    return v8_prefill(q, kc, vc, tables, lens, qstart, out, S, Hq, Hkv, D, BS, MB, scale, window, nthreads, 1);
 #endif
+}
+
+int paged_prefill_f32(const float *q, const float *kc, const float *vc, const int32_t *tables, const int32_t *lens,
+                      const int32_t *qstart, float *out, int S, int Hq, int Hkv, int D, int BS, int MB,
+                      float scale, int window, int nthreads) {
+    return v8_prefill(q, kc, vc, tables, lens, qstart, out, S, Hq, Hkv, D, BS, MB, scale, window, nthreads, 0);
 }

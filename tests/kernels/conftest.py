@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -276,4 +277,39 @@ def triton_ops() -> ModuleType:
     from kernels import triton_ops as ops
 
     return ops
+
+
+# --- which build of the native CPU kernels a test runs ----------------------------------------
+
+def _kernel_targets() -> list[str]:
+    """Every build the kernel tests run: the machine's own, plus lower ISA levels it can also run,
+    so the AVX2 and portable paths stay tested on an AVX-512 machine (and the portable one on an
+    AVX2 machine; it is what aarch64 without extensions compiles)."""
+    arch = platform.machine()
+    if arch in ("x86_64", "AMD64"):
+        return ["native", "x86-64-v3", "x86-64"]
+    if arch == "aarch64":
+        return ["native", "armv8-a"]
+    return ["native"]
+
+
+@pytest.fixture(params=_kernel_targets())
+def kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """Runs the test against the kernels built for one ``-march`` target; returns (target, ISA the
+    build uses). Skips a target this CPU cannot run, or one that compiles to the same ISA as the
+    native build (already covered by the ``native`` case)."""
+    from kernels import cpu_ops
+
+    target = request.param
+    try:
+        lib = cpu_ops.build_library(target)
+        native = cpu_ops.build_library("native")
+    except cpu_ops.UnsupportedTarget as exc:
+        pytest.skip(str(exc))
+    except cpu_ops.KernelBuildError as exc:
+        pytest.skip(f"no native kernels here: {exc}")
+    if target != "native" and cpu_ops.isa(lib) == cpu_ops.isa(native):
+        pytest.skip(f"-march={target} builds the same ISA as native ({cpu_ops.isa(lib)})")
+    monkeypatch.setattr(cpu_ops, "_lib", lib)
+    return target, cpu_ops.isa(lib)
 

@@ -1,8 +1,12 @@
-"""The native CPU decode-attention kernel against float64 ground truth and the torch reference.
+"""The native CPU kernels against float64 ground truth and the torch reference.
 
 Same case list as the Triton tests: every block size, GQA ratios 1/3/8, fp32/bf16, one-token
 sequences, contexts ending on a block boundary, sliding windows, NaN in every unused cache slot
 and invalid block-table padding (the kernel must never read past a sequence's length).
+
+Every test runs once per kernel build this CPU can run (the ``kernel_target`` id: ``native``,
+``x86-64-v3`` for the AVX2 + FMA paths, ``x86-64`` for the portable vector code that aarch64
+also compiles), so each CPU kind's path is pinned by the same tests wherever they run.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from kernels import reference as ref
 
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
         "silu_and_mul", "write_kv_cache", "argmax_rows")
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler to build the native kernels")
+pytestmark = [pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler to build the native kernels"),
+              pytest.mark.usefixtures("kernel_target")]
 
 
 @pytest.fixture
@@ -110,7 +115,7 @@ def test_decode_bf16_in_and_out_is_the_fp32_path_rounded(kt, native_only) -> Non
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
-# --- prefill attention (bf16 caches run natively; the rest is the reference) ---------------------
+# --- prefill attention (fp32 and bf16 caches run natively; the rest is the reference) ------------
 
 def _pargs(b) -> tuple:
     return b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale
@@ -126,36 +131,38 @@ def test_prefill_matches_float64_and_reference(kt, prefill_case) -> None:
     kt.assert_close(got, ref.paged_prefill_attention(*_pargs(b), window), b.query.dtype, "vs reference")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim,ratio", [(64, 3), (128, 1), (32, 4), (96, 2)])
 @pytest.mark.parametrize("window", [None, 1, 37, 300])
-def test_prefill_native_bf16(kt, native_only, block_size: int, head_dim: int, ratio: int,
-                             window: int | None) -> None:
+def test_prefill_native(kt, native_only, dtype, block_size: int, head_dim: int, ratio: int,
+                        window: int | None) -> None:
     """Fresh prompts and chunks after cached context; chunks longer than a task's 64 rows, rows
     not a multiple of 4, contexts ending mid-block, and windows inside and across key tiles."""
     # (context before the chunk, chunk length)
     parts = [(0, 1), (0, 7), (0, 130), (block_size * 3, 1), (45, 66), (200, 201), (5, 64)]
     b = kt.make_paged_batch(block_size + head_dim + (window or 0), [c + q for c, q in parts],
-                            [q for _, q in parts], 2 * ratio, 2, head_dim, block_size, torch.bfloat16)
+                            [q for _, q in parts], 2 * ratio, 2, head_dim, block_size, dtype)
     got = cpu_ops.paged_prefill_attention(*_pargs(b), window)
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-    kt.assert_close(got, kt.naive_paged_attention(b, window), torch.bfloat16, "vs float64")
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    kt.assert_close(got, kt.naive_paged_attention(b, window), dtype, "vs float64")
 
 
-def test_prefill_long_context_chunk(kt, native_only) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_long_context_chunk(kt, native_only, dtype) -> None:
     """A 512-token chunk after 1500 cached tokens: many tasks and a 2000-key sweep per row."""
-    b = kt.make_paged_batch(11, [2012], [512], 9, 3, 64, 16, torch.bfloat16)
+    b = kt.make_paged_batch(11, [2012], [512], 9, 3, 64, 16, dtype)
     got = cpu_ops.paged_prefill_attention(*_pargs(b), None)
-    kt.assert_close(got, kt.naive_paged_attention(b, None), torch.bfloat16, "vs float64")
+    kt.assert_close(got, kt.naive_paged_attention(b, None), dtype, "vs float64")
 
 
-def test_prefill_fp32_and_odd_head_dims_use_the_reference(kt) -> None:
-    b = kt.make_paged_batch(4, [30, 9], [30, 4], 4, 2, 40, 16, torch.bfloat16)
+def test_prefill_fp16_and_odd_head_dims_use_the_reference(kt) -> None:
+    b = kt.make_paged_batch(4, [30, 9], [30, 4], 4, 2, 36, 16, torch.bfloat16)
     got = cpu_ops.paged_prefill_attention(*_pargs(b), None)
-    kt.assert_close(got, ref.paged_prefill_attention(*_pargs(b), None), torch.bfloat16, "d=40")
-    b = kt.make_paged_batch(4, [30, 9], [30, 4], 4, 2, 64, 16, torch.float32)
+    assert torch.equal(got, ref.paged_prefill_attention(*_pargs(b), None))  # d=36: the reference itself
+    b = kt.make_paged_batch(4, [30, 9], [30, 4], 4, 2, 64, 16, torch.float16)
     got = cpu_ops.paged_prefill_attention(*_pargs(b), None)
-    assert torch.equal(got, ref.paged_prefill_attention(*_pargs(b), None))  # fp32: the reference itself
+    assert torch.equal(got, ref.paged_prefill_attention(*_pargs(b), None))  # fp16: the reference itself
 
 
 # --- fused element-wise ops ---------------------------------------------------------------------

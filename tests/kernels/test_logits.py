@@ -10,6 +10,7 @@ from kernels import cpu_ops
 from kernels.logits import upcast_with_candidates, upcast_with_candidates_torch
 
 native = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the native kernels")
+pytestmark = pytest.mark.usefixtures("kernel_target")  # every build this CPU runs (see conftest)
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
