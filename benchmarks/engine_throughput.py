@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", default="64:512")
     ap.add_argument("--output-len", default="32:256")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what the engine chooses on this CPU")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=None, help="static batch size (default: all)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -176,7 +176,7 @@ def main() -> None:
     print(f"scheduler+block manager per tick at 256 running: {results['tick']['median_ms']:.3f} ms median")
     # Rounds interleave (c), (b), (a) so slow spells of this shared machine hit all three alike;
     # each figure is the median over rounds and the ratios are taken per round, then the median.
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    dtype = llm.engine.model.dtype  # HF in the dtype the engine resolved (auto)
     rounds: list[dict] = []
     for i in range(args.repeat):
         r = {"engine": run_engine(llm, work)}

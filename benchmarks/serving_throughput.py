@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-len", default="64:512")
     ap.add_argument("--output-len", default="32:256")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what the engine chooses on this CPU")
     ap.add_argument("--workers", type=int, default=2, help="workers in the deployment (disaggregated: 1 prefill)")
     ap.add_argument("--threads-per-worker", type=int, default=2)
     ap.add_argument("--offline-threads", type=int, default=2)

@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=292, help="prefill mode: tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10, help="decode mode: steps timed (prefill: 1)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

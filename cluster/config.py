@@ -14,7 +14,9 @@ class EngineSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bf16 where the CPU computes it natively (AVX512_BF16, AMX, Arm BF16), "
+        "else fp32; decided per machine (kernels.auto_dtype)")
     block_size: int = Field(16, description="tokens per KV block")
     kv_cache_memory_gib: float = Field(1.0, gt=0)
     num_kv_blocks: int | None = Field(None, ge=1)
@@ -22,7 +24,15 @@ class EngineSection(BaseModel):
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
     enable_prefix_caching: bool = True
-    threads_per_worker: int = Field(1, ge=1)
+    threads_per_worker: int | Literal["auto"] = Field(
+        "auto", description="a worker's torch/OpenMP threads; auto fills the cores it is given: "
+        "pools.cpus_per_worker where set, else every core of its machine")
+
+    @model_validator(mode="after")
+    def _threads_positive(self) -> EngineSection:
+        if self.threads_per_worker != "auto" and self.threads_per_worker < 1:
+            raise ValueError("threads_per_worker must be 'auto' or >= 1")
+        return self
     openmp_wait: Literal["auto", "spin", "passive", "share"] = Field(
         "auto", description="how workers' OpenMP threads use the cores: spin (libgomp's default, "
         "bounded spin-waits) where every worker thread has a core of its own; share: local workers "

@@ -12,6 +12,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.pool_client import WorkerRef
+from kernels import capabilities
 from workers.core_share import create_board, remove_board
 from workers.validation import RequestLimits
 
@@ -66,9 +67,10 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
         return "user", {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
     mode = config.engine.openmp_wait
     if mode == "auto":
-        threads = config.engine.threads_per_worker
+        threads = worker_threads(config)
         local = config.ray.address is None
-        if config.pools.cpus_per_worker >= threads or (local and num_workers * threads <= _usable_cpus()):
+        if threads is not None and (config.pools.cpus_per_worker >= threads
+                                    or (local and num_workers * threads <= _usable_cpus())):
             mode = "spin"
         else:
             mode = "share" if local else "passive"
@@ -99,10 +101,31 @@ def _torch_runtime_can_release() -> bool:
 
 
 def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return capabilities.usable_cores()
+
+
+def worker_threads(config: ClusterConfig) -> int | None:
+    """Threads per worker; ``auto`` fills the cores a worker is given: ``pools.cpus_per_worker``
+    where reserved, else every core of this machine for a local deployment (workers whose threads
+    outnumber the cores take turns at them, see ``openmp_plan``). None on a cluster without
+    reservations: each worker then takes the cores of the machine it lands on."""
+    threads = config.engine.threads_per_worker
+    if threads != "auto":
+        return int(threads)
+    if config.pools.cpus_per_worker >= 1:
+        return int(config.pools.cpus_per_worker)
+    return _usable_cpus() if config.ray.address is None else None
+
+
+def check_same_dtype(workers: list[WorkerRef]) -> None:
+    """Workers exchange KV blocks and share prefix-cache namespaces: they must run one dtype. With
+    ``dtype = "auto"`` on machines of different CPU kinds they may not; say so instead of failing
+    requests later."""
+    dtypes = {w.info.get("dtype") for w in workers}
+    if len(dtypes) > 1:
+        found = ", ".join(f"{w.worker_id} {w.info.get('dtype')}" for w in workers)
+        raise ValueError(f"workers resolved engine.dtype to different dtypes ({found}): their machines "
+                         "differ in native bf16 support; set engine.dtype (or --dtype) explicitly")
 
 
 class Cluster:
@@ -128,11 +151,12 @@ class Cluster:
 
         eng = self.config.engine
         engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait"})
-        threads = eng.threads_per_worker
+        threads = worker_threads(self.config)
         roles = self.roles()
         mode, omp_env = openmp_plan(self.config, len(roles))  # config errors before Ray starts
-        env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false",
-               **omp_env}
+        env = {"GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false", **omp_env}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         self._started_ray = init_ray(self.config)
         pending: list[tuple[str, str, Any]] = []
         try:
@@ -148,7 +172,7 @@ class Cluster:
             raise
         log.info("workers ready: %s", ", ".join(w.worker_id for w in self.workers))
 
-    def _start_workers(self, worker_cls: type, roles: list[str], engine_kwargs: dict[str, Any], threads: int,
+    def _start_workers(self, worker_cls: type, roles: list[str], engine_kwargs: dict[str, Any], threads: int | None,
                        env: dict[str, str], pending: list[tuple[str, str, Any]]) -> None:
         import ray
 
@@ -168,6 +192,7 @@ class Cluster:
             pending.append((wid, role, handle))
         infos = ray.get([h.info.remote() for _, _, h in pending])
         self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]
+        check_same_dtype(self.workers)
         peers = {w.worker_id: w.handle for w in self.workers}
         ray.get([w.handle.set_peers.remote(peers) for w in self.workers])
         from cluster.controller import GlobalController

@@ -41,7 +41,7 @@ class EngineConfig:
     """
 
     model: str | None = None  # folder, .gguf file, or None for the embedded default
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 where the CPU computes it natively, else fp32 (kernels.auto_dtype)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 2.0
@@ -64,6 +64,6 @@ class EngineConfig:
                  "> 0 when scheduler.preemption_mode is 'swap'", self.swap_space_gib)
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", ">= 2",
                  self.max_model_len)
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
-                 "'float32', 'bfloat16' or 'float16'", self.dtype)
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 "'auto', 'float32', 'bfloat16' or 'float16'", self.dtype)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kernels import openmp
+from kernels import capabilities, openmp
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, SchedulerConfig
 from workers.core_share import CoreShare
@@ -50,7 +50,7 @@ TRANSPORTS = ("auto", "collective", "object_store")
 class Worker:
     """An engine plus its outbox and KV shipping; every engine access goes through its loop thread."""
 
-    def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int = 1,
+    def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int | None = 1,
                  kv_transport: str = "auto", kv_timeout_s: float = 30.0,
                  host: str = "127.0.0.1", core_share: dict[str, Any] | None = None) -> None:
         if role not in ROLES:
@@ -58,6 +58,9 @@ class Worker:
         if kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {kv_transport!r}")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # None: the cores of the machine this worker landed on (threads_per_worker = "auto" on a
+        # cluster without CPU reservations)
+        threads = threads or capabilities.usable_cores()
         torch.set_num_threads(threads)
         self.worker_id, self.role = worker_id, role
         self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
@@ -111,7 +114,7 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size, "pid": os.getpid(),
+                "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype,
                 "output_address": list(self._output.address)}
 
     def set_peers(self, peers: dict[str, Any]) -> None:

@@ -73,3 +73,54 @@ def test_the_users_spin_count_wins(monkeypatch):
 def test_an_unknown_policy_is_a_config_error():
     with pytest.raises(ValueError, match="openmp_wait"):
         ClusterConfig.model_validate({"engine": {"openmp_wait": "sometimes"}})
+
+
+# --- threads_per_worker = "auto" and dtype agreement --------------------------------------------
+
+def _config(engine: dict | None = None, pools: dict | None = None, ray: dict | None = None) -> ClusterConfig:
+    return ClusterConfig.model_validate({"engine": engine or {}, "pools": pools or {}, "ray": ray or {}})
+
+
+def test_auto_threads_fill_the_cores_a_worker_is_given():
+    assert launcher.worker_threads(_config()) == 2  # local: every core (the pools take turns at them)
+    assert launcher.worker_threads(_config(pools={"colocated": 1})) == 2
+    assert launcher.worker_threads(_config(pools={"cpus_per_worker": 4})) == 4  # reserved cores
+    assert launcher.worker_threads(_config(pools={"cpus_per_worker": 1.5})) == 1
+    assert launcher.worker_threads(_config(ray={"address": "auto"})) is None  # each worker's own machine
+    assert launcher.worker_threads(_config({"threads_per_worker": 3})) == 3  # explicit wins
+
+
+def test_auto_threads_plan_like_explicit_ones():
+    """The default (auto) on 2 cores: 1P + 1D share the cores, one colocated worker spins, and a
+    cluster without reservations sleeps at waits."""
+    assert launcher.openmp_plan(_config(), 2) == SHARE
+    assert launcher.openmp_plan(_config(pools={"colocated": 1}), 1) == SPIN
+    assert launcher.openmp_plan(_config(ray={"address": "auto"}), 2) == PASSIVE
+
+
+def test_bad_thread_counts_are_config_errors():
+    for bad in (0, -1, "many"):
+        with pytest.raises(ValueError, match="threads_per_worker"):
+            _config({"threads_per_worker": bad})
+
+
+def test_the_defaults_are_the_same_however_the_server_is_started():
+    """``make serve`` reads deploy/local.toml, ``baton serve`` without --config the built-in defaults."""
+    from pathlib import Path
+
+    from cluster.config import load_config
+
+    local = load_config(Path(__file__).resolve().parents[2] / "deploy" / "local.toml")
+    assert local.model_dump() == ClusterConfig().model_dump()
+    assert local.engine.dtype == "auto" and local.engine.threads_per_worker == "auto"
+
+
+def test_workers_that_resolved_different_dtypes_are_refused():
+    from cluster.pool_client import WorkerRef
+
+    same = [WorkerRef("prefill-0", "prefill", None, {"dtype": "float32"}),
+            WorkerRef("decode-0", "decode", None, {"dtype": "float32"})]
+    launcher.check_same_dtype(same)
+    mixed = [same[0], WorkerRef("decode-0", "decode", None, {"dtype": "bfloat16"})]
+    with pytest.raises(ValueError, match="set engine.dtype"):
+        launcher.check_same_dtype(mixed)

@@ -214,3 +214,15 @@ def test_pause_keeps_kv_and_resume_continues_exactly(llm):
     engine.abort_request("gone")
     _assert_idle(llm)
     assert not engine.paused
+
+
+def test_auto_dtype_resolves_once_for_the_whole_engine(tiny_model_dir) -> None:
+    """``dtype="auto"`` (the default) becomes this machine's choice everywhere: the config the
+    engine reports, the weights, the KV cache and the prefix-cache namespace."""
+    from kernels.auto_dtype import resolve_dtype
+
+    want = resolve_dtype("auto").dtype
+    llm = LLM(model=str(tiny_model_dir), block_size=8, num_kv_blocks=NUM_BLOCKS)
+    assert llm.config.dtype == llm.engine.config.dtype == want
+    assert str(llm.engine.model.dtype) == f"torch.{want}"
+    assert llm.engine.block_manager.namespace.kv_dtype == want
