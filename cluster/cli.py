@@ -14,16 +14,38 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from workers.default_model import default_model_path, resolve_model
+    from workers.errors import ModelLoadError
     from workers.gguf_convert import convert_gguf
 
-    if args.gguf is None:
-        path = default_model_path(progress=True)
-    elif args.out is not None:
-        path = convert_gguf(Path(args.gguf), Path(args.out), progress=True)
-    else:
-        path = resolve_model(args.gguf)
+    try:
+        if args.quantize is not None:
+            from workers.quantize import quantize_folder
+
+            src = resolve_model(args.gguf, progress=True)
+            path = quantize_folder(src, args.out, args.quantize, args.group_size, args.lm_head)
+        elif args.gguf is None:
+            path = default_model_path(progress=True)
+        elif args.out is not None:
+            path = convert_gguf(Path(args.gguf), Path(args.out), progress=True)
+        else:
+            path = resolve_model(args.gguf)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"baton convert: error: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
+
+
+def _threads_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {value!r}")
+    return n
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -138,8 +160,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g = live.add_argument_group("cluster")
     g.add_argument("--config", default=None, help="TOML config (its [pools] are replaced by each layout)")
     g.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads-per-worker", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--threads-per-worker", type=_threads_arg, default=None,
+                   help="threads per worker, or auto (default): fill the cores each worker is given")
     g.add_argument("--address", default=None,
                    help="Ray address to join ('auto' or HOST:PORT; run on a cluster node) instead of a local Ray")
     g.add_argument("--port", type=int, default=0, help="loopback port of the HTTP front (default: a free one)")
@@ -172,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API from prefill/decode pools on Ray")
     srv.add_argument("--config", default=None, help="TOML config (default: the embedded model, 1P + 1D)")
     srv.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
-    srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    srv.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
     srv.add_argument("--prefill", type=int, default=None, help="prefill workers")
@@ -180,19 +203,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--colocated", type=int, default=None,
                      help="N colocated workers (prefill and decode in one) instead of the pools")
     srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
-    srv.add_argument("--threads-per-worker", type=int, default=None)
+    srv.add_argument("--threads-per-worker", type=_threads_arg, default=None,
+                     help="threads per worker, or auto (default): fill the cores each worker is given")
     srv.add_argument("--address", default=None, help="Ray address to join ('auto' for a running cluster)")
     srv.set_defaults(func=_cmd_serve)
 
-    conv = sub.add_parser("convert", help="convert a GGUF (default: the embedded model) to a HF folder")
-    conv.add_argument("gguf", nargs="?", default=None, help="path to a .gguf file")
-    conv.add_argument("--out", default=None, help="output folder (default: the cache)")
+    conv = sub.add_parser("convert", help="convert a GGUF (default: the embedded model) to a HF folder, "
+                          "or write a weight-only quantised copy of a model (--quantize)")
+    conv.add_argument("gguf", nargs="?", default=None, help="a .gguf file or an HF model folder")
+    conv.add_argument("--out", default=None, help="output folder (default: the cache, or beside the source "
+                      "folder for --quantize)")
+    conv.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                      help="write a quantised copy: int8 per output channel, or int4 group-wise")
+    conv.add_argument("--group-size", type=int, default=32, choices=[0, 32, 64, 128],
+                      help="input features per scale (default 32, as llama.cpp's Q8_0/Q4_1 blocks); "
+                      "int8 also takes 0: one scale per output channel")
+    conv.add_argument("--lm-head", default="int8", choices=["int8", "full"],
+                      help="--quantize: the output projection's precision")
     conv.set_defaults(func=_cmd_convert)
 
     gen = sub.add_parser("generate", help="offline completion(s) from the engine")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
-    gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -11,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kernels import capabilities, cpu_ops
+from kernels.auto_dtype import resolve_dtype
 from workers.config import EngineConfig, SchedulerConfig
 from workers.default_model import resolve_model
 from workers.engine import EngineCore
@@ -39,9 +42,14 @@ def weights_fingerprint(folder: Path) -> str:
 
 
 def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
-    """Load model and tokenizer, size the KV cache, and return a ready engine."""
+    """Load model and tokenizer, size the KV cache, and return a ready engine (whose config has
+    ``dtype = "auto"`` resolved for this machine)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    choice = resolve_dtype(config.dtype)
+    config = dataclasses.replace(config, dtype=choice.dtype)
+    capabilities.log_once(f"{cpu_ops.describe()}; dtype {choice.dtype} ({choice.reason}); "
+                          f"{torch.get_num_threads()} threads")
     folder = resolve_model(config.model)
     tokenizer = Tokenizer.from_folder(folder)
     dtype = parse_dtype(config.dtype)
@@ -63,13 +71,14 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
 class LLM:
     """Offline batch generation on one engine, in the style of ``vllm.LLM``."""
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs: Any) -> None:
         sched_keys = {f for f in SchedulerConfig.__dataclass_fields__}
         sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
         if "num_threads" not in kwargs and "BATON_NUM_THREADS" in os.environ:
             kwargs["num_threads"] = int(os.environ["BATON_NUM_THREADS"])
-        self.config = EngineConfig(model=model, dtype=dtype, scheduler=sched, **kwargs)
-        self.engine, self.tokenizer, self.model_path = build_engine(self.config)
+        self.engine, self.tokenizer, self.model_path = build_engine(
+            EngineConfig(model=model, dtype=dtype, scheduler=sched, **kwargs))
+        self.config = self.engine.config  # dtype resolved
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

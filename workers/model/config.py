@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.errors import ModelLoadError
+from workers.model.quantization import QuantConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -33,6 +34,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization: QuantConfig | None = None  # weight-only int8/int4 checkpoints (workers.quantize)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -84,6 +86,7 @@ class ModelConfig:
                 sliding_window=int(window) if window else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                quantization=QuantConfig.from_dict(raw.get("quantization_config")),
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json is missing required field {exc.args[0]!r}") from exc

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import backend, packed_linear
+from kernels import backend
 from kernels.reference import build_cos_sin_cache
+from workers.model.quantization import QuantConfig, linear_method
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, ctx: ParallelContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         for size in output_sizes:
             if size % ctx.tp_size:
@@ -58,17 +59,16 @@ class ColumnParallelLinear(nn.Module):
         self.ctx = ctx
         self.local_sizes = [s // ctx.tp_size for s in output_sizes]
         out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
-        _set_loader(self.weight, self._load)
+        self.method = linear_method(quant)
+        self.method.create_weights(self, out, input_size, dtype, self._load)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, self._load)
-        self.packed: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see ``kernels.packed_linear``)."""
-        self.packed = packed_linear.pack(self.weight)
+        """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``)."""
+        self.method.pack(self)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         idx = 0 if shard_id is None else shard_id
@@ -78,36 +78,40 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, local).copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear.linear(x, self.weight, self.packed, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T`` with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ParallelContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         if input_size % ctx.tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {ctx.tp_size}")
         self.ctx = ctx
         self.local_in = input_size // ctx.tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, self.local_in, dtype=dtype), requires_grad=False)
-        _set_loader(self.weight, self._load)
+        self.method = linear_method(quant)
+        self.method.create_weights(self, output_size, self.local_in, dtype, self._load)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, default_weight_loader)
-        self.packed: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see ``kernels.packed_linear``)."""
-        self.packed = packed_linear.pack(self.weight)
+        """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``)."""
+        self.method.pack(self)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        param.data.copy_(loaded.narrow(1, self.ctx.tp_rank * self.local_in, self.local_in))
+        divisor = getattr(param, "input_divisor", 1)
+        if divisor is None:  # no input dim (per-output-channel scales): every rank holds all of it
+            param.data.copy_(loaded)
+            return
+        local = self.local_in // divisor
+        param.data.copy_(loaded.narrow(1, self.ctx.tp_rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(packed_linear.linear(x, self.weight, self.packed))
+        y = self.ctx.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
 

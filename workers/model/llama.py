@@ -37,8 +37,8 @@ class LlamaAttention(nn.Module):
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
-                                             cfg.attention_bias, ctx, dtype)
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, False, ctx, dtype)
+                                             cfg.attention_bias, ctx, dtype, cfg.quantization)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, False, ctx, dtype, cfg.quantization)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
         self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -60,8 +60,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, ctx, dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx, dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, ctx, dtype,
+                                                 cfg.quantization)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx, dtype, cfg.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
@@ -119,12 +120,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, rotary, dtype)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head: nn.Linear | None = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-            self.lm_head.weight.requires_grad_(False)
-            self.lm_head.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-
+        # The output projection: the embedding itself when tied, unless the checkpoint quantised
+        # it (a separate copy: the embedding lookup keeps full precision).
+        head_quant = cfg.quantization.for_lm_head() if cfg.quantization else None
+        self.lm_head: ColumnParallelLinear | None = None
+        if not cfg.tie_word_embeddings or head_quant is not None:
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, ParallelContext(),
+                                                dtype, head_quant)
         self._lm_head_packed: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
@@ -132,11 +134,19 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "pack_weights"):
                 module.pack_weights()
-        self._lm_head_packed = packed_linear.pack(self.lm_head_weight)
+        if self.lm_head is None:
+            self._lm_head_packed = packed_linear.pack(self.embed_tokens.weight)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return packed_linear.linear(hidden, self.embed_tokens.weight, self._lm_head_packed)
+        return self.lm_head(hidden)
+
+    def _weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows of the output projection's weight."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight[index].float()
+        return self.lm_head.method.rows(self.lm_head, index)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -164,12 +174,11 @@ class LlamaForCausalLM(nn.Module):
         are recomputed in fp32, so the argmax (and the head of the distribution that sampling
         draws from) is exact for the given hidden state.
         """
-        weight = self.lm_head_weight
-        logits = packed_linear.linear(hidden, weight, self._lm_head_packed)
+        logits = self._project(hidden)
         if hidden.dtype == torch.float32:
             return logits
         logits, rows, cols = upcast_with_candidates(logits, margin_ulps=2.0)
-        exact = (hidden[rows].float() * weight[cols].float()).sum(-1)
+        exact = (hidden[rows].float() * self._weight_rows(cols)).sum(-1)
         logits[rows, cols] = exact
         return logits
 
@@ -179,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
             name = name[len("model."):]
         if "rotary_emb.inv_freq" in name:
             return None
-        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and self.lm_head is None:
             return None
         for ckpt, ours, shard in self.stacked_params:
             if ckpt in name:

@@ -53,7 +53,14 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                 if param is None:
                     raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} (no parameter {pname!r})")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_tensor(name).to(dtype), shard)
+                # to the parameter's own dtype: float weights take the model's, while quantised
+                # weights keep their integer codes and fp32 scales
+                tensor = f.get_tensor(name)
+                try:
+                    loader(param, tensor.to(param.dtype), shard)
+                except (RuntimeError, ValueError) as exc:  # a shape that does not fit this model
+                    raise ModelLoadError(f"{file.name}: tensor {name!r} of shape {tuple(tensor.shape)} does not "
+                                         f"fit parameter {pname!r} of shape {tuple(param.shape)}: {exc}") from None
                 loaded.add(pname if shard is None else f"{pname}#{shard}")
     missing = [n for n in params if not _is_loaded(n, loaded)]
     if missing:
