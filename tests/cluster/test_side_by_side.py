@@ -147,10 +147,13 @@ def test_stop_kills_a_descendant_that_left_the_group(tmp_path):
     assert not alive(child)
 
 
-def _res(name: str, tps: float, tpot: float, status: str = "ok") -> SystemResult:
+def _res(name: str, tps: float, tpot: float, status: str = "ok", single: tuple[float, float] | None = None
+         ) -> SystemResult:
     sat = WorkloadResult({"completed": 8, "failed": 0, "output_throughput": tps, "p99_tpot_ms": 99.0}, "", [])
     rate = WorkloadResult({"completed": 4, "failed": 1, "output_throughput": 1.0, "p99_tpot_ms": tpot}, "", [])
-    return SystemResult(name, status, saturation=sat, rate=rate, startup_s=3.0)
+    one = None if single is None else WorkloadResult(
+        {"completed": 8, "failed": 0, "median_ttft_ms": single[0], "median_tpot_ms": single[1]}, "", [])
+    return SystemResult(name, status, saturation=sat, rate=rate, single=one, startup_s=3.0)
 
 
 def test_ratios_and_table():
@@ -167,7 +170,13 @@ def test_ratios_and_table():
     md = markdown(results, list(ratios.values()), 1.0)
     assert "| baton-colocated | ok | 3.0 | 400.0 |" in md
     assert "| gone | not installed: no venv |" in md
-    assert "| baton-colocated / vllm | 2.22 | 0.80 | met |" in md
+    assert "| baton-colocated / vllm | 2.22 | 0.80 | - | - | met |" in md
+    # The single-stream workload: TTFT of a prompt alone and one stream's TPOT, Baton over peer.
+    one = {(q.baton, q.peer): q for q in compute_ratios([_res("baton-int4", 90.0, 30.0, single=(200.0, 12.0)),
+                                                          _res("llamacpp", 30.0, 50.0, single=(400.0, 15.0))])}
+    q = one["baton-int4", "llamacpp"]
+    assert q.single_ttft_ratio == pytest.approx(0.5) and q.single_tpot_ratio == pytest.approx(0.8)
+    assert q.meets_target is None  # targets are against vLLM
     # A peer that failed, or ran no workload, yields no ratio rather than a wrong one.
     failed = compute_ratios([_res("baton-colocated", 400.0, 40.0), SystemResult("vllm", "failed", "boom")])
     assert failed[0].output_throughput_ratio is None and failed[0].meets_target is None
