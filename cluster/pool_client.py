@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.routing import RoutingPolicy, WorkerLoad, make_policy
-from workers.errors import OverloadedError
+from workers.errors import InvalidRequestError, OverloadedError
 from workers.messages import decode_deltas, params_to_dict
 from workers.output_stream import FRAME, frame
 from workers.outputs import TokenDelta
@@ -46,6 +46,7 @@ class _Stream:
     queue: asyncio.Queue
     remaining: int
     workers: set[str]
+    wire_id: str  # the id the workers know this attempt by (unique, unlike a client's id)
     paused: bool = False
     flow_seq: int = 0  # orders pause/resume calls, which a threaded actor may run out of order
 
@@ -68,7 +69,9 @@ class PoolClient:
         self.max_queued = max_queued
         self.policy = policy or make_policy("least_loaded")
         self.on_stats = on_stats
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # by the caller's request id
+        self._by_wire: dict[str, str] = {}  # wire id -> the caller's request id
+        self._attempts = 0
         self._tasks: list[asyncio.Task] = []
         self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one stream or outbox per front
         self.controller = controller  # GlobalController handle, or None to ask workers directly
@@ -104,28 +107,37 @@ class PoolClient:
                        priority: int = 0, cache_salt: str | None = None,
                        arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
         self.limits.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if len(self._streams) >= self.max_queued:
             raise OverloadedError(f"{len(self._streams)} requests in flight; the limit is {self.max_queued}")
         if self._overloaded:
             raise OverloadedError("the cluster's queues are full", retry_after_s=2.0)
         arrival = arrival_time or time.monotonic()
         first, decode = self._route(prompt_token_ids)
-        stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()))
+        # Workers remember aborted ids for a while (a late add or KV must not run), and an abort
+        # may land after a later request that reuses the id: so each attempt gets its own id.
+        self._attempts += 1
+        wire_id = f"{request_id}~{self.front_id[6:]}.{self._attempts}"
+        stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()),
+                         wire_id)
         self._streams[request_id] = stream
+        self._by_wire[wire_id] = request_id
         first.load.outstanding += 1
         if decode is not None:
             decode.load.outstanding += 1
         done = False
         try:
             await first.handle.add_request.remote(
-                request_id, prompt_token_ids, params_to_dict(params), priority, cache_salt,
+                wire_id, prompt_token_ids, params_to_dict(params), priority, cache_salt,
                 time.monotonic() - arrival, decode.worker_id if decode else None, self.front_id)
             while True:
                 delta = await stream.queue.get()
                 if isinstance(delta, BaseException):
                     raise delta
                 if stream.paused and stream.queue.qsize() <= self.low_water:
-                    self._set_paused(stream, request_id, False)
+                    self._set_paused(stream, False)
+                delta.request_id = request_id
                 yield delta
                 if delta.finish_reason is not None:
                     stream.remaining -= 1
@@ -134,22 +146,29 @@ class PoolClient:
                         return
         finally:
             self._streams.pop(request_id, None)
+            self._by_wire.pop(wire_id, None)
             first.load.outstanding -= 1
             if decode is not None:
                 decode.load.outstanding -= 1
             if not done:
-                self.abort(request_id, stream.workers)
+                self._abort_on_workers(wire_id, stream.workers)
 
-    def abort(self, request_id: str, workers: set[str] | None = None) -> None:
-        for wid in workers or self.workers:
+    def abort(self, request_id: str) -> None:
+        """Abort a request in flight from this front (no-op when unknown or finished)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._abort_on_workers(stream.wire_id, stream.workers)
+
+    def _abort_on_workers(self, wire_id: str, workers: set[str]) -> None:
+        for wid in workers:
             w = self.workers.get(wid)
             if w is not None and w.alive:
-                w.handle.abort.remote(request_id)
+                w.handle.abort.remote(wire_id)
 
     def finish_sample(self, request_id: str, index: int, stop: str) -> None:
         stream = self._streams.get(request_id)
         for wid in stream.workers if stream else ():
-            self.workers[wid].handle.finish_sample.remote(request_id, index, stop)
+            self.workers[wid].handle.finish_sample.remote(stream.wire_id, index, stop)
 
     def stats(self) -> dict[str, Any]:
         return {wid: w.load for wid, w in self.workers.items()}
@@ -174,19 +193,19 @@ class PoolClient:
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
-            stream = self._streams.get(d.request_id)
+            stream = self._streams.get(self._by_wire.get(d.request_id, ""))
             if stream is not None:
                 stream.queue.put_nowait(d)
                 if not stream.paused and stream.queue.qsize() >= self.high_water:
-                    self._set_paused(stream, d.request_id, True)
+                    self._set_paused(stream, True)
 
-    def _set_paused(self, stream: _Stream, request_id: str, paused: bool) -> None:
+    def _set_paused(self, stream: _Stream, paused: bool) -> None:
         stream.paused = paused
         stream.flow_seq += 1
         for wid in stream.workers:
             w = self.workers.get(wid)
             if w is not None and w.alive:
-                w.handle.set_paused.remote(request_id, paused, stream.flow_seq)
+                w.handle.set_paused.remote(stream.wire_id, paused, stream.flow_seq)
 
     async def _connect(self, w: WorkerRef, timeout_s: float = 10.0) -> asyncio.StreamReader | None:
         """Open ``w``'s output stream; None (poll it instead) where it has none or it fails."""
@@ -247,12 +266,12 @@ class PoolClient:
         w.alive = False
         if self.controller is not None:
             self.controller.mark_dead.remote(w.worker_id)
-        for rid, stream in list(self._streams.items()):
+        for stream in list(self._streams.values()):
             if w.worker_id in stream.workers:
                 for other in stream.workers - {w.worker_id}:
                     ref = self.workers.get(other)
                     if ref is not None and ref.alive:
-                        ref.handle.abort.remote(rid)
+                        ref.handle.abort.remote(stream.wire_id)
                 stream.queue.put_nowait(RuntimeError(f"worker {w.worker_id} failed: {exc!r}"))
 
     async def _stats_loop(self, interval_s: float) -> None:

@@ -88,16 +88,18 @@ class FrontConnection:
             self._writer.wake(self)
         return True
 
-    def flush(self) -> bool:
-        """Writer thread: send what is pending; True while bytes remain."""
+    def flush(self, on_drained: Callable[[FrontConnection], None]) -> None:
+        """Writer thread: send what is pending; once nothing is (or the connection closed), call
+        ``on_drained(self)`` still holding the lock, so that a ``send`` racing with it either
+        finds bytes pending (and the writer still owns them) or comes after the writer let go
+        (and wakes it again): no byte is ever left with nobody to send it."""
         with self._lock:
+            if not self.closed and self._pending:
+                sent = self._try_send(bytes(self._pending))
+                if sent is not None:
+                    del self._pending[:sent]
             if self.closed or not self._pending:
-                return False
-            sent = self._try_send(bytes(self._pending))
-            if sent is None:
-                return False
-            del self._pending[:sent]
-            return bool(self._pending)
+                on_drained(self)
 
     def close(self) -> None:
         with self._lock:
@@ -142,6 +144,10 @@ class _Writer:
             self._stop = True
             self._cv.notify()
 
+    def _drained(self, conn: FrontConnection) -> None:
+        with self._cv:  # under conn's lock (flush): no lock ever nests the other way
+            self._waiting.discard(conn)
+
     def _run(self) -> None:
         poller = select.poll()  # not select(): a Ray worker's descriptors can pass 1024
         while True:
@@ -163,10 +169,7 @@ class _Writer:
                 with contextlib.suppress(KeyError, OSError):
                     poller.unregister(fd)
             for fd, _ in ready:
-                conn = by_fd[fd]
-                if not conn.flush():
-                    with self._cv:
-                        self._waiting.discard(conn)
+                by_fd[fd].flush(self._drained)
             for conn in conns:
                 if conn.closed:
                     with self._cv:

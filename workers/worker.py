@@ -95,7 +95,7 @@ class Worker:
         self._pair_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
-        self._cancelled: dict[str, float] = {}  # ids aborted before their KV arrived (decode role)
+        self._cancelled: dict[str, float] = {}  # recently aborted ids, oldest first: late adds and KV are refused
         self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
         self._maps_ours: dict[str, bool] = {}  # decode peer id -> it maps our cache (prefill role)
         self._mapped: dict[str, tuple[KVExport, list[KVCache]]] = {}  # prefill peer -> its mapped cache
@@ -129,10 +129,15 @@ class Worker:
                     priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
                     decode_worker: str | None = None, front_id: str = "default") -> None:
         """Queue a request (validated by the front). A prefill worker needs ``decode_worker``."""
-        if request_id in self._cancelled:  # its abort overtook it (threaded actors reorder calls)
-            return
         sampling = params_from_dict(params)
         self._register(request_id, front_id, sampling.n)
+        if self._cancelled.pop(request_id, None) is not None:
+            # Its abort overtook it (threaded actors reorder calls), or the id was used moments ago:
+            # either way it must not run, and whoever listens must hear so rather than wait.
+            self._emit([TokenDelta(request_id, i, [], finish_reason="abort",
+                                   stop_reason=f"request id {request_id!r} was aborted moments ago")
+                        for i in range(sampling.n)])
+            return
         prefill_only = self.role == "prefill"
         if prefill_only:
             if decode_worker not in self.peers:
@@ -156,10 +161,14 @@ class Worker:
             self._owner.pop(request_id, None)
             self._decode_target.pop(request_id, None)
             self._flow.pop(request_id, None)
-        now = time.monotonic()
-        if len(self._cancelled) > 4096:  # tombstones only matter while a transfer may be in flight
-            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < 600}
-        self._cancelled[request_id] = now
+            now = time.monotonic()
+            # Tombstones only matter while a late add or a transfer may still arrive; kept longer,
+            # they would refuse a later request that reuses the id.
+            horizon = 2 * self.kv_timeout_s
+            if self._cancelled and now - next(iter(self._cancelled.values())) > horizon:
+                self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < horizon}
+            self._cancelled.pop(request_id, None)  # re-inserted last: the dict stays oldest first
+            self._cancelled[request_id] = now
         self.engine.submit(lambda e: e.abort_request(request_id))
 
     def set_paused(self, request_id: str, paused: bool, seq: int) -> None:

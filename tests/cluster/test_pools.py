@@ -159,7 +159,7 @@ def test_a_front_that_goes_away_without_aborting_frees_its_requests(disagg, tiny
 
     async def main():
         pool = PoolClient(disagg.workers, disagg.limits)
-        pool.abort = lambda *a, **k: None  # it dies: no abort reaches any worker
+        pool._abort_on_workers = lambda *a, **k: None  # it dies: no abort reaches any worker
         await pool.start(stats_interval_s=0.2)
         streams = [pool.generate(f"orphan{i}", prompt, long) for i in range(4)]
         for agen in streams:  # every request is decoding
@@ -185,6 +185,42 @@ def test_a_front_that_goes_away_without_aborting_frees_its_requests(disagg, tiny
     assert all(s["num_running"] == s["num_waiting"] == s["tracked_requests"] == 0 for s in stats.values()), stats
     # stopped within a few steps, not run to the end for nobody (4 x max_tokens)
     assert stats["decode-0"]["num_decode_tokens_computed"] - computed < long.max_tokens
+
+
+def test_a_request_id_is_refused_twice_at_once_and_reusable_right_after_an_abort(disagg, tiny_model_dir):
+    """Each attempt reaches the workers under its own id: the abort of the first (which may land
+    late) and the workers' memory of aborted ids never touch a second request that reuses the id."""
+    from workers.errors import InvalidRequestError
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    prompt = llm.tokenizer.encode("Hello world")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate([prompt], params)[0].outputs[0].token_ids
+
+    async def main():
+        pool = PoolClient(disagg.workers, disagg.limits)
+        await pool.start(stats_interval_s=0.2)
+        try:
+            first = pool.generate("again", prompt, params)
+            assert (await first.__anext__()).request_id == "again"  # callers see their own id
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                await pool.generate("again", prompt, params).__anext__()
+            await first.aclose()  # aborts it on the workers
+            toks: list[int] = []
+            async for d in pool.generate("again", prompt, params):
+                toks += d.token_ids
+            return toks
+        finally:
+            await pool.stop()
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == expected
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = _worker_stats(disagg)
+        if all(s["num_free_blocks"] == NUM_BLOCKS and s["tracked_requests"] == 0 for s in stats.values()):
+            break
+        time.sleep(0.2)
+    assert all(s["num_free_blocks"] == NUM_BLOCKS and s["tracked_requests"] == 0 for s in stats.values()), stats
 
 
 def test_colocated_mode_matches(ray_session, tiny_model_dir):

@@ -110,3 +110,61 @@ def test_a_front_that_stops_reading_is_cut_off_at_the_pending_limit(connected, m
     with pytest.raises(ConnectionError):  # it reads what the kernel had, then EOF
         while True:
             read_frame(sock, 1 << 20)
+
+
+class _ScriptedSocket:
+    """A socket whose ``send`` takes at most the next scripted count (all, when none is left),
+    keeping what it took; ``fileno`` is a real, always writable socket's, for the writer's poll."""
+
+    def __init__(self) -> None:
+        self._pair = socket.socketpair()
+        self.taken = bytearray()
+        self.limits: list[int] = []
+
+    def fileno(self) -> int:
+        return self._pair[0].fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        pass
+
+    def send(self, data: bytes) -> int:
+        n = min(len(data), self.limits.pop(0)) if self.limits else len(data)
+        self.taken += data[:n]
+        return n
+
+    def close(self) -> None:
+        for s in self._pair:
+            s.close()
+
+
+def test_a_send_racing_the_writer_as_it_drains_is_never_stranded(monkeypatch):
+    """The writer has just sent the last pending byte when the engine thread sends again and the
+    socket takes only part of it: the rest must still reach the front. (It used to stay pending
+    with no writer watching until some later send, which, for a stream's last frame, never came:
+    the front then waited for ever.)"""
+    writer = output_stream._Writer()
+    sock = _ScriptedSocket()
+    conn = output_stream.FrontConnection(sock, "front-a", writer)
+    original = output_stream.FrontConnection.flush
+    raced: list[bool] = []
+
+    def flush_then_send(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not raced:  # right after the writer drained the socket, before it looks again
+            raced.append(True)
+            sock.limits = [3]  # the socket takes 3 bytes of the next frame
+            assert self.send(b"second")
+        return result
+
+    monkeypatch.setattr(output_stream.FrontConnection, "flush", flush_then_send)
+    try:
+        sock.limits = [0]  # full: all of the first frame waits for the writer
+        assert conn.send(b"first")
+        want = frame(b"first") + frame(b"second")
+        deadline = time.monotonic() + 5
+        while bytes(sock.taken) != want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert raced and bytes(sock.taken) == want
+    finally:
+        writer.stop()
+        conn.close()

@@ -150,3 +150,23 @@ def test_outputs_go_down_a_connected_front_stream_and_a_front_that_hangs_up_lose
         worker.shutdown()
     with pytest.raises(ConnectionRefusedError):  # shut down: it takes no more fronts
         socket.create_connection((host, port), timeout=5)
+
+
+def test_an_add_that_comes_after_its_abort_is_answered_with_an_abort_not_run(tiny_model_dir):
+    """Threaded actors reorder calls: an abort may overtake its add. The add must then not run,
+    and must say so to its front (a silent drop left a stream that reused the id waiting for ever);
+    a new id is served as usual."""
+    worker = Worker("colocated-0", "colocated", {"model": str(tiny_model_dir), "dtype": "float32",
+                                                 "block_size": 8, "num_kv_blocks": NUM_BLOCKS})
+    try:
+        worker.abort("late")
+        worker.add_request("late", [5, 6, 7], params_to_dict(PARAMS), front_id="f")
+        [delta] = decode_deltas(worker.poll("f", 5))
+        assert (delta.request_id, delta.finish_reason) == ("late", "abort")
+        assert "aborted moments ago" in delta.stop_reason
+        worker.add_request("fresh", [5, 6, 7], params_to_dict(PARAMS), front_id="f")
+        assert len(_tokens(worker)) == PARAMS.max_tokens
+        stats = worker.stats()
+        assert stats["num_free_blocks"] == NUM_BLOCKS and stats["tracked_requests"] == 0
+    finally:
+        worker.shutdown()
