@@ -33,7 +33,7 @@ def _worker(board: str, slot: int, steps: int, regions: int, release: bool) -> N
     import torch
 
     from kernels import openmp
-    from workers.core_share import CoreShare
+    from workers.actor.core_share import CoreShare
 
     torch.set_num_threads(2)
     seat = CoreShare(board, slot, cores=2, threads=2, release_team=openmp.release_team if release else None)
@@ -56,7 +56,7 @@ def _worker(board: str, slot: int, steps: int, regions: int, release: bool) -> N
 def run_variant(workers: int, variant: str, steps: int, regions: int) -> float:
     """Median step time (ms, mean over the workers) of ``workers`` processes sharing 2 cores.
     ``variant``: a GOMP_SPINCOUNT, with ``+release`` to end the team at each handoff."""
-    from workers.core_share import create_board, remove_board
+    from workers.actor.core_share import create_board, remove_board
 
     spincount, _, release = variant.partition("+")
     board = create_board(workers)

@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers import LLM, SamplingParams  # noqa: E402
-from workers.block_manager import BlockManager  # noqa: E402
-from workers.config import SchedulerConfig  # noqa: E402
+from workers.blocks.manager import BlockManager  # noqa: E402
+from workers.engine.config import SchedulerConfig  # noqa: E402
+from workers.engine.request import Request  # noqa: E402
+from workers.engine.scheduler import Scheduler  # noqa: E402
 from workers.model.attention import AttentionMetadata  # noqa: E402
-from workers.request import Request  # noqa: E402
-from workers.scheduler import Scheduler  # noqa: E402
 
 
 def make_workload(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

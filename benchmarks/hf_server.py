@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from workers.default_model import default_model_path
+        from workers.checkpoint.default_model import default_model_path
 
         model = str(default_model_path())
     started = time.monotonic()

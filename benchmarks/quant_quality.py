@@ -111,8 +111,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from workers.default_model import resolve_model
-    from workers.quantize import quantize_folder
+    from workers.checkpoint.default_model import resolve_model
+    from workers.checkpoint.quantize import quantize_folder
 
     source = resolve_model(args.model)
     results = {"full": evaluate(str(source), args.dtype, args.threads)}

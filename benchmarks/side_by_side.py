@@ -179,7 +179,7 @@ def build_specs(args: argparse.Namespace, model: str, port: int, name: str) -> S
     if name == "baton-colocated":
         return SystemSpec(name, baton + ["--colocated", "1"])
     if name in ("baton-int8", "baton-int4"):
-        from workers.quantize import quantize_folder
+        from workers.checkpoint.quantize import quantize_folder
 
         method = name.removeprefix("baton-")
         folder = quantize_folder(model, None, method, args.quant_group_size)
@@ -195,7 +195,7 @@ def build_specs(args: argparse.Namespace, model: str, port: int, name: str) -> S
         if venv is None or not (venv / "bin" / "python").exists():
             return SystemSpec(name, [], missing="not installed" + (f" at {venv}" if venv else
                                                                     " (pass --llamacpp-venv)"))
-        from workers.default_model import locate_default_gguf
+        from workers.checkpoint.default_model import locate_default_gguf
 
         gguf = args.llamacpp_gguf or str(locate_default_gguf())
         # the served name is the HF folder's, so the load generator's requests name a model it has
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model
     if model is None:
-        from workers.default_model import default_model_path
+        from workers.checkpoint.default_model import default_model_path
 
         model = str(default_model_path())
     out = Path(args.out)

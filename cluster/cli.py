@@ -13,13 +13,13 @@ from pathlib import Path
 def _cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from workers.default_model import default_model_path, resolve_model
+    from workers.checkpoint.default_model import default_model_path, resolve_model
+    from workers.checkpoint.gguf_convert import convert_gguf
     from workers.errors import ModelLoadError
-    from workers.gguf_convert import convert_gguf
 
     try:
         if args.quantize is not None:
-            from workers.quantize import quantize_folder
+            from workers.checkpoint.quantize import quantize_folder
 
             src = resolve_model(args.gguf, progress=True)
             path = quantize_folder(src, args.out, args.quantize, args.group_size, args.lm_head)

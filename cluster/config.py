@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class EngineSection(BaseModel):
-    """Per-worker engine settings (see ``workers.config.EngineConfig``)."""
+    """Per-worker engine settings (see ``workers.engine.config.EngineConfig``)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -59,9 +59,18 @@ class PoolsSection(BaseModel):
 
 class KVTransferSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # auto: shared memory between workers on one machine (CPU caches), collective otherwise
-    transport: Literal["auto", "collective", "object_store"] = "auto"
+    # A KV connector's name (workers.kv.connector), or auto: shared memory between workers on one
+    # machine (CPU caches), collective otherwise.
+    transport: str = "auto"
     timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("transport")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        from workers.kv.connector import connector_order
+
+        connector_order(value)  # ValueError listing the known connectors
+        return value
 
 
 class ServerSection(BaseModel):

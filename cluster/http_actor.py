@@ -10,7 +10,7 @@ from typing import Any
 from cluster.metered_client import MeteredClient
 from cluster.metrics import Metrics
 from cluster.pool_client import PoolClient, WorkerRef
-from workers.validation import RequestLimits
+from workers.engine.validation import RequestLimits
 
 log = logging.getLogger("baton.http")
 
@@ -23,7 +23,7 @@ class HTTPFront:
                  reuse_port: bool = False) -> None:
         from router.api import build_app
         from router.server import ServerThread
-        from workers.tokenizer import Tokenizer
+        from workers.text.tokenizer import Tokenizer
 
         refs = [WorkerRef(w["worker_id"], w["role"], w["handle"], w["info"]) for w in workers]
         self.metrics = Metrics(model_name)

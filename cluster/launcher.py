@@ -13,8 +13,8 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.pool_client import WorkerRef
 from kernels import capabilities
-from workers.core_share import create_board, remove_board
-from workers.validation import RequestLimits
+from workers.actor.core_share import create_board, remove_board
+from workers.engine.validation import RequestLimits
 
 log = logging.getLogger("baton.launcher")
 
@@ -49,7 +49,7 @@ def openmp_plan(config: ClusterConfig, num_workers: int) -> tuple[str, dict[str,
     Spinning (libgomp's default: ~300k spins, then sleep) keeps a decode step's ~200 parallel
     regions from each waking a sleeping thread (55-75 us each on a VM, ~20% of the step). It
     needs a core per spinning thread. Where local workers' threads outnumber the cores, ``share``
-    keeps spinning but each step waits for its turn at the cores (``workers.core_share``), so
+    keeps spinning but each step waits for its turn at the cores (``workers.actor.core_share``), so
     running threads never outnumber them. ``passive`` (sleep at once) is for a cluster whose
     cores this process cannot see, without ``cpus_per_worker`` reservations. An
     ``OMP_WAIT_POLICY`` set by the user is passed on as it is.
@@ -147,7 +147,7 @@ class Cluster:
     def start(self) -> None:
         import ray
 
-        from workers.worker import Worker
+        from workers.actor.worker import Worker
 
         eng = self.config.engine
         engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait"})

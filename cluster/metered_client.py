@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.metrics import Metrics
-from workers.outputs import TokenDelta
-from workers.sampling_params import SamplingParams
+from workers.engine.outputs import TokenDelta
+from workers.sampling.params import SamplingParams
 
 
 class MeteredClient:

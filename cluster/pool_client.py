@@ -1,7 +1,7 @@
 """The front's view of the worker pools: an ``EngineClient`` over Ray actors.
 
 Each worker pushes its per-step msgpack batches of token deltas to this front over a socket
-(``workers.output_stream``); one reader task per worker hands each delta to its request's
+(``workers.actor.output_stream``); one reader task per worker hands each delta to its request's
 stream. A worker the front cannot connect to is polled over Ray instead. A request goes to a
 prefill worker (which emits the first token and ships the KV) and continues on a decode worker;
 in colocated mode one worker does both.
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.routing import RoutingPolicy, WorkerLoad, make_policy
+from workers.actor.messages import decode_deltas, params_to_dict
+from workers.actor.output_stream import FRAME, frame
+from workers.engine.outputs import TokenDelta
+from workers.engine.validation import RequestLimits
 from workers.errors import InvalidRequestError, OverloadedError
-from workers.messages import decode_deltas, params_to_dict
-from workers.output_stream import FRAME, frame
-from workers.outputs import TokenDelta
-from workers.sampling_params import SamplingParams
-from workers.validation import RequestLimits
+from workers.sampling.params import SamplingParams
 
 log = logging.getLogger("baton.pool")
 

@@ -30,7 +30,7 @@ class Deployment:
 
     def start(self) -> Deployment:
         from router.api import build_app
-        from workers.tokenizer import Tokenizer
+        from workers.text.tokenizer import Tokenizer
 
         self.cluster.start()
         model_name = self.config.server.model_name or self.cluster.model_path.name

@@ -20,7 +20,7 @@ from router.engine_client import EngineClient
 from router.errors import APIError, install_error_handlers, validation_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.serving import OpenAIServing
-from workers.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 
 def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,

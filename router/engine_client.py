@@ -1,6 +1,6 @@
 """What the HTTP front needs from whatever runs the model: one protocol, several backends.
 
-``workers.async_engine.AsyncEngine`` (colocated, in-process) implements it; the cluster's
+``workers.engine.async_engine.AsyncEngine`` (colocated, in-process) implements it; the cluster's
 client for prefill/decode pools of Ray actors implements the same methods.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from workers.outputs import TokenDelta
-from workers.sampling_params import SamplingParams
+from workers.engine.outputs import TokenDelta
+from workers.sampling.params import SamplingParams
 
 
 class EngineClient(Protocol):
@@ -35,5 +35,5 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> Any:
-        """Load summary for metrics and readiness (``workers.async_engine.EngineStats``)."""
+        """Load summary for metrics and readiness (``workers.engine.async_engine.EngineStats``)."""
         ...

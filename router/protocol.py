@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from workers.errors import InvalidRequestError
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 class _Request(BaseModel):

@@ -39,7 +39,7 @@ from router.protocol import (
 from router.server import ClientGone, EventStreamResponse, run_until_disconnected
 from router.stream import SSE_DONE, Choices, EngineJob, EngineRun, LogprobFormatter, SampleState, sse
 from workers.errors import ContextLengthExceededError, InvalidRequestError
-from workers.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from router.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from workers.detokenizer import IncrementalDetokenizer
-from workers.outputs import TokenDelta
-from workers.sampling_params import SamplingParams
-from workers.stop_strings import StopStringMatcher
-from workers.tokenizer import Tokenizer
+from workers.engine.outputs import TokenDelta
+from workers.sampling.params import SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.stop_strings import StopStringMatcher
+from workers.text.tokenizer import Tokenizer
 
 SSE_DONE = "data: [DONE]\n\n"
 _END = object()  # a producer's engine iterator is exhausted

@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (converted once into the user cache)."""
-    from workers.default_model import default_model_path
+    from workers.checkpoint.default_model import default_model_path
 
     return default_model_path()
 
@@ -31,7 +31,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_tok(default_model_dir: Path):
     """The default model's tokenizer (SmolLM2-135M-Instruct)."""
-    from workers.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(default_model_dir)
 

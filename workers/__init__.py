@@ -12,7 +12,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from workers.sampling_params import SamplingParams
+        from workers.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -14,17 +14,17 @@ import torch
 
 from kernels import capabilities, cpu_ops
 from kernels.auto_dtype import resolve_dtype
-from workers.config import EngineConfig, SchedulerConfig
-from workers.default_model import resolve_model
-from workers.engine import EngineCore
+from workers.blocks.prefix_hash import CacheNamespace
+from workers.checkpoint.default_model import resolve_model
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.core import EngineCore
+from workers.engine.model_runner import kv_cache_block_bytes
+from workers.engine.output_processor import OutputProcessor
+from workers.engine.outputs import RequestOutput
 from workers.errors import InvalidRequestError
 from workers.model.loader import load_model, parse_dtype, safetensors_files
-from workers.model_runner import kv_cache_block_bytes
-from workers.output_processor import OutputProcessor
-from workers.outputs import RequestOutput
-from workers.prefix_hash import CacheNamespace
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import Tokenizer
+from workers.sampling.params import SamplingParams
+from workers.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

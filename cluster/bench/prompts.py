@@ -26,7 +26,7 @@ _MAX_ROUNDS = 16
 
 
 class TokenizerLike(Protocol):
-    """What prompt synthesis needs of a tokenizer (``workers.tokenizer.Tokenizer`` has it)."""
+    """What prompt synthesis needs of a tokenizer (``workers.text.tokenizer.Tokenizer`` has it)."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -148,9 +148,9 @@ def load_tokenizer(tokenizer: str | None, model: str | None) -> tuple[TokenizerL
     ``tokenizer`` (a folder) wins; else ``model`` when it is a local folder, or the default model
     (``resolve_model``) when ``model`` names it. Never raises: failure means approximate lengths.
     """
-    from workers.default_model import DEFAULT_MODEL_NAME, resolve_model
+    from workers.checkpoint.default_model import DEFAULT_MODEL_NAME, resolve_model
     from workers.errors import ModelLoadError
-    from workers.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
     try:
         if tokenizer is not None:

@@ -59,7 +59,7 @@ def test_run_writes_json_markdown_and_plot_with_exact_token_prompts(tmp_path, to
         rc = _bench(server.url, "--num-prompts", "2", "--random-input-len", "12", "--random-output-len", "2",
                     "--num-warmups", "0", "--tokenizer", str(tokenizer_dir), "--text-prompts")
         texts = [b["prompt"] for b in server.bodies]
-    from workers.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(tokenizer_dir)
     assert rc == 0 and all(isinstance(t, str) and len(tok.encode(t)) == 12 for t in texts)

@@ -117,7 +117,7 @@ def test_exact_prompts_with_a_local_tokenizer(word_tokenizer):
 
 
 def test_exact_prompts_with_the_default_model_tokenizer():
-    from workers.default_model import DEFAULT_MODEL_NAME, cache_root
+    from workers.checkpoint.default_model import DEFAULT_MODEL_NAME, cache_root
 
     folders = sorted((cache_root() / "models").glob(f"{DEFAULT_MODEL_NAME}-*"))
     if not folders or not (folders[0] / "tokenizer.json").is_file():

@@ -13,11 +13,11 @@ from prometheus_client import Counter as PromCounter
 
 from router.api import build_app
 from router.server import ServerThread
-from workers.async_engine import AsyncEngine, EngineStats
-from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.engine.async_engine import AsyncEngine, EngineStats
+from workers.engine.config import EngineConfig
+from workers.engine.core import EngineCore
 from workers.llm import build_engine
-from workers.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "tiny-llama"
 NUM_BLOCKS = 128

@@ -8,8 +8,8 @@ import pytest
 from router.api import build_app
 from router.server import ServerThread
 from tests.router.conftest import wait_idle
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
 from workers.llm import build_engine
 
 NUM_BLOCKS = 256

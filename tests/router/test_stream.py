@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.stream import Choices, EngineJob, EngineRun, LogprobFormatter
+from workers.engine.outputs import TokenDelta
 from workers.errors import InvalidRequestError
-from workers.outputs import TokenDelta
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import Tokenizer
+from workers.sampling.params import SamplingParams
+from workers.text.tokenizer import Tokenizer
 
 
 class _EndlessClient:

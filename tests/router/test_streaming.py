@@ -14,9 +14,9 @@ import pytest
 from router.api import build_app
 from router.server import ServerThread
 from tests.router.conftest import MODEL, NUM_BLOCKS, wait_idle
+from workers.engine.outputs import TokenDelta
 from workers.errors import InvalidRequestError, OverloadedError
-from workers.outputs import TokenDelta
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def test_disconnect_aborts_the_request_and_frees_blocks(backend):

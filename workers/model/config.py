@@ -34,7 +34,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    quantization: QuantConfig | None = None  # weight-only int8/int4 checkpoints (workers.quantize)
+    quantization: QuantConfig | None = None  # weight-only int8/int4 checkpoints (workers.checkpoint.quantize)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

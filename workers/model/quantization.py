@@ -4,7 +4,7 @@ A linear layer delegates both to a *linear method* chosen by name (``LINEAR_METH
 ``QuantizeMethodBase`` does: ``full`` keeps a float weight (packed for the CPU matmul), ``int8``
 holds per-output-channel int8 weights, ``int4`` group-wise asymmetric 4-bit ones
 (``kernels.quant_linear`` has the formats and the kernels). Adding a method is one class here and
-one registry entry. Quantised checkpoints are written by ``workers.quantize``; their
+one registry entry. Quantised checkpoints are written by ``workers.checkpoint.quantize``; their
 ``config.json`` carries a ``quantization_config`` that ``ModelConfig`` reads into ``QuantConfig``.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from kernels import packed_linear, quant_linear
 from workers.errors import ModelLoadError
 
-QUANT_METHOD = "baton"  # quantization_config.quant_method of the checkpoints workers.quantize writes
+QUANT_METHOD = "baton"  # quantization_config.quant_method of the checkpoints workers.checkpoint.quantize writes
 GROUP_SIZES = (32, 64, 128)
 
 

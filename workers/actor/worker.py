@@ -1,0 +1,388 @@
+"""The Worker: one engine in one Ray actor, with a role (prefill, decode or colocated).
+
+The front talks to it with small calls (``add_request``, ``abort``); peers call the ``kv_*``
+methods. Outputs leave as one msgpack batch per step and front, never one message per token:
+pushed down the front's socket (``workers.actor.output_stream``), or held for ``poll`` by a front
+that has not connected one; a front whose socket closes has its requests aborted. A prefill
+worker parks each request after its first token and ships its KV to the decode worker named in
+the request through a KV connector (``workers.kv.connector``): transport ``auto`` takes shared
+memory where the decode worker can map this worker's cache (same machine) and the
+``torch.distributed`` pair group otherwise; ``collective`` and ``object_store`` force one. Any
+failure frees both sides and ends the request with ``finish_reason="abort"``.
+
+The class is plain Python; ``cluster.launcher`` wraps it with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kernels import capabilities, openmp
+from workers.actor.core_share import CoreShare
+from workers.actor.messages import encode_deltas, params_from_dict
+from workers.actor.output_stream import FrontConnection, OutputServer
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.outputs import TokenDelta
+from workers.errors import BatonError
+from workers.kv.connector import (
+    KVConnector,
+    KVShipment,
+    connector_class,
+    connector_names,
+    connector_order,
+    make_connector,
+)
+from workers.kv.migration import MigrationMeta
+from workers.kv.shared import can_share
+from workers.kv.transfer import KVTransferEngine, KVTransferError
+from workers.llm import build_engine
+
+log = logging.getLogger("baton.worker")
+ROLES = ("prefill", "decode", "colocated")
+
+
+class Worker:
+    """An engine plus its outbox and KV shipping; every engine access goes through its loop thread."""
+
+    def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int | None = 1,
+                 kv_transport: str = "auto", kv_timeout_s: float = 30.0,
+                 host: str = "127.0.0.1", core_share: dict[str, Any] | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        order = connector_order(kv_transport)  # ValueError naming the known ones
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # None: the cores of the machine this worker landed on (threads_per_worker = "auto" on a
+        # cluster without CPU reservations)
+        threads = threads or capabilities.usable_cores()
+        torch.set_num_threads(threads)
+        self.worker_id, self.role = worker_id, role
+        self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
+        engine = dict(engine)
+        # A prefill worker's cache goes in shared memory when a connector it may use maps it.
+        engine.setdefault("kv_cache_shared", role == "prefill" and can_share()
+                          and any(connector_class(n).needs_shared_cache for n in order))
+        sched_keys = set(SchedulerConfig.__dataclass_fields__)
+        sched = SchedulerConfig(**{k: engine.pop(k) for k in list(engine) if k in sched_keys})
+        config = EngineConfig(scheduler=sched, **engine)
+
+        def build() -> Any:
+            core, self.tokenizer, self.model_path = build_engine(config)
+            return core
+
+        # A request's deltas go to the front (HTTP replica) that sent it: down that front's output
+        # stream once it has connected (workers.actor.output_stream), else to its outbox for ``poll``.
+        self._outboxes: dict[str, list[TokenDelta]] = {}
+        self._fronts: dict[str, FrontConnection] = {}
+        self._gone_fronts: set[str] = set()  # whose stream closed: their late requests are aborted
+        self._owner: dict[str, list[Any]] = {}  # request id -> [front id, samples not finished]
+        self._out_cv = threading.Condition()
+        # Built on the loop thread: every parallel region of the model runs on that one thread.
+        # Workers whose threads outnumber this machine's cores take turns at them (workers.actor.core_share).
+        share = CoreShare(threads=threads, release_team=openmp.release_team, **core_share) if core_share else None
+        self.engine = AsyncEngine(build, on_step=self._on_step, core_share=share)
+        self.core = core = self.engine.engine
+        self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
+        self.peers: dict[str, Any] = {}
+        # Every connector, by name: the decode side answers whichever a sender uses; the prefill
+        # side ships with the first of ``order`` that reaches the peer.
+        self._connectors = {name: make_connector(name, self) for name in connector_names()}
+        self._order = order
+        self._decode_target: dict[str, str] = {}  # request id -> decode worker id (prefill role)
+        self._cancelled: dict[str, float] = {}  # recently aborted ids, oldest first: late adds and KV are refused
+        self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
+        self._withdrawn: dict[str, float] = {}  # members whose sender gave up; engine thread only
+        # KV copies on side threads run serially: a team of their own would throttle the loop
+        # thread's OpenMP waits for good (kernels.openmp). A shared-memory shipment only waits for
+        # the decode worker's turn: with 2 threads, a step parking 5 requests took 3 decode turns.
+        self._shipper = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ship",
+                                           initializer=openmp.serial_here)
+        self.transfer_log: list[float] = []
+        self._output = OutputServer(host, self._front_connected)
+
+    # ------------------------------------------------------------------ front-facing
+    def info(self) -> dict[str, Any]:
+        c = self.core
+        return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
+                "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
+                "block_size": c.config.block_size, "max_model_len": c.max_model_len,
+                "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype,
+                "output_address": list(self._output.address)}
+
+    def set_peers(self, peers: dict[str, Any]) -> None:
+        """Actor handles of the other workers, by worker id (for KV shipping)."""
+        self.peers = {k: v for k, v in peers.items() if k != self.worker_id}
+        for connector in self._connectors.values():
+            connector.peers_changed(self.peers)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+                    priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
+                    decode_worker: str | None = None, front_id: str = "default") -> None:
+        """Queue a request (validated by the front). A prefill worker needs ``decode_worker``."""
+        sampling = params_from_dict(params)
+        self._register(request_id, front_id, sampling.n)
+        if self._cancelled.pop(request_id, None) is not None:
+            # Its abort overtook it (threaded actors reorder calls), or the id was used moments ago:
+            # either way it must not run, and whoever listens must hear so rather than wait.
+            self._emit([TokenDelta(request_id, i, [], finish_reason="abort",
+                                   stop_reason=f"request id {request_id!r} was aborted moments ago")
+                        for i in range(sampling.n)])
+            return
+        prefill_only = self.role == "prefill"
+        if prefill_only:
+            if decode_worker not in self.peers:
+                raise ValueError(f"unknown decode worker {decode_worker!r}")
+            self._decode_target[request_id] = decode_worker
+        arrival = time.monotonic() - age_s
+
+        def add(engine: Any) -> None:
+            try:
+                engine.add_request(request_id, prompt_token_ids, sampling, priority=priority,
+                                   cache_salt=cache_salt, arrival_time=arrival, prefill_only=prefill_only)
+            except BatonError as exc:
+                log.warning("request %s rejected by the engine: %s", request_id, exc)
+                self._emit([TokenDelta(request_id, i, [], finish_reason="abort", stop_reason=str(exc))
+                            for i in range(sampling.n)])
+
+        self.engine.submit(add)
+
+    def abort(self, request_id: str) -> None:
+        with self._out_cv:
+            self._owner.pop(request_id, None)
+            self._decode_target.pop(request_id, None)
+            self._flow.pop(request_id, None)
+            now = time.monotonic()
+            # Tombstones only matter while a late add or a transfer may still arrive; kept longer,
+            # they would refuse a later request that reuses the id.
+            horizon = 2 * self.kv_timeout_s
+            if self._cancelled and now - next(iter(self._cancelled.values())) > horizon:
+                self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < horizon}
+            self._cancelled.pop(request_id, None)  # re-inserted last: the dict stays oldest first
+            self._cancelled[request_id] = now
+        self.engine.submit(lambda e: e.abort_request(request_id))
+
+    def set_paused(self, request_id: str, paused: bool, seq: int) -> None:
+        """Backpressure from the front: pause (descheduled, KV kept) or resume a request.
+
+        Calls may run out of order on this threaded actor, so each carries the front's sequence
+        number and a stale one is ignored; a request whose KV is still in flight is paused on arrival.
+        """
+        def apply(engine: Any) -> None:
+            if request_id not in self._owner:  # finished or shipped away: nothing to pace here
+                return
+            last = self._flow.get(request_id)
+            if last is not None and last[0] >= seq:
+                return
+            self._flow[request_id] = (seq, paused)
+            (engine.pause_request if paused else engine.resume_request)(request_id)
+
+        self.engine.submit(apply)
+
+    def finish_sample(self, request_id: str, index: int, stop: str) -> None:
+        self.engine.submit(lambda e: e.finish_request(request_id, index, "stop", stop))
+
+    def poll(self, front_id: str = "default", timeout_s: float = 0.5) -> bytes:
+        """Wait up to ``timeout_s`` for this front's outputs; return them as one msgpack batch."""
+        with self._out_cv:
+            if not self._outboxes.get(front_id):
+                self._out_cv.wait(timeout_s)
+            batch = self._outboxes.pop(front_id, [])
+        return encode_deltas(batch)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        recent, self.transfer_log = self.transfer_log, []
+        out = dict(s.__dict__)
+        share = self.engine.core_share
+        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent},
+                        "core_wait_seconds": share.wait_seconds if share is not None else 0.0}
+        out["alive"] = self.engine.is_alive
+        for connector in self._connectors.values():
+            out.update(connector.stats())  # pair_groups, mapped_peer_caches
+        out["tracked_requests"] = len(self._owner)
+        with self._out_cv:
+            out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
+        return out
+
+    def health(self) -> bool:
+        return self.engine.is_alive
+
+    def shutdown(self) -> None:
+        self._output.close()
+        self._shipper.shutdown(wait=False, cancel_futures=True)
+        for connector in self._connectors.values():
+            connector.close()
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ outputs
+    def _register(self, request_id: str, front_id: str, n: int) -> None:
+        with self._out_cv:
+            self._owner.setdefault(request_id, [front_id, n])
+
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        with self._out_cv:
+            by_front: dict[str, list[TokenDelta]] = {}
+            for d in deltas:
+                owner = self._owner.get(d.request_id)
+                if owner is None:
+                    continue  # aborted by its front: nobody listens
+                by_front.setdefault(owner[0], []).append(d)
+                if d.finish_reason is not None:
+                    self._sample_left(d.request_id)
+            polled = False
+            for front_id, batch in by_front.items():
+                conn = self._fronts.get(front_id)
+                if conn is not None and conn.send(encode_deltas(batch)):
+                    continue
+                if conn is not None or front_id in self._gone_fronts:
+                    self._front_gone(front_id)
+                    continue
+                self._outboxes.setdefault(front_id, []).extend(batch)
+                polled = True
+            if polled:
+                self._out_cv.notify_all()
+
+    def _front_gone(self, front_id: str) -> None:
+        """Its output stream closed (the front stopped or died): nobody will read its requests'
+        outputs, so abort them here and free their blocks. Caller holds ``_out_cv``."""
+        if self._fronts.pop(front_id, None) is not None:
+            log.warning("front %s hung up: aborting its requests", front_id)
+        self._gone_fronts.add(front_id)
+        for rid in [rid for rid, owner in self._owner.items() if owner[0] == front_id]:
+            self.abort(rid)
+
+    def _front_connected(self, front_id: str, conn: FrontConnection) -> None:
+        """A front's output stream is up: what its outbox holds goes first, then every batch."""
+        with self._out_cv:
+            old = self._fronts.pop(front_id, None)
+            if old is not None:
+                old.close()
+            self._gone_fronts.discard(front_id)
+            self._fronts[front_id] = conn  # first: once answered, the front may ask stats()
+            conn.send(encode_deltas(self._outboxes.pop(front_id, [])))  # also the hello's answer
+
+    def _sample_left(self, request_id: str) -> None:
+        """One sample finished here or moved to a decode worker; forget the request after the last.
+        Caller holds ``_out_cv``."""
+        owner = self._owner.get(request_id)
+        if owner is not None:
+            owner[1] -= 1
+            if owner[1] <= 0:
+                del self._owner[request_id]
+                self._decode_target.pop(request_id, None)
+                self._flow.pop(request_id, None)
+
+    def _on_step(self, deltas: list[TokenDelta]) -> None:
+        """Engine thread: queue outputs; start shipping the KV of requests that just parked."""
+        self._emit(deltas)
+        for d in deltas:
+            if d.kv_ready:
+                # Read the parked request here, on the engine thread, so the shipper need not wait
+                # for a step boundary to get it.
+                member = self._member_id(d.request_id, d.index)
+                meta, table = self.core.migration_meta(member)
+                self._shipper.submit(self._ship, d.request_id, member, meta, table)
+
+    def _member_id(self, request_id: str, index: int) -> str:
+        return request_id if request_id in self.core._members else f"{request_id}#{index}"
+
+    # ------------------------------------------------------------------ prefill side
+    def _ship(self, request_id: str, member_id: str, meta: MigrationMeta, table: list[int]) -> None:
+        """A shipping thread: move one parked sample to its decode worker through the first
+        connector that reaches it; any failure frees both sides and ends the sample as aborted."""
+        target = self._decode_target.get(request_id)
+        peer = self.peers.get(target) if target else None
+        shipment = KVShipment(request_id, member_id, meta, table)
+        started = time.perf_counter()
+        connector = None
+        try:
+            if peer is None:
+                raise KVTransferError(f"decode worker {target!r} is not known")
+            connector = self._connector_for(target, peer)
+            connector.send(target, peer, shipment)
+            self.transfer_log.append(time.perf_counter() - started)
+            with self._out_cv:
+                self._sample_left(request_id)
+        except Exception as exc:
+            log.warning("KV shipping of %s to %s failed: %r", member_id, target, exc)
+            if peer is not None:
+                if connector is not None:
+                    connector.abandon(target, peer, shipment)
+                else:
+                    peer.kv_cancel.remote(member_id)
+            index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
+            self._emit([TokenDelta(request_id, index, [], finish_reason="abort",
+                                   stop_reason=f"kv transfer failed: {exc}")])
+        finally:
+            self.engine.submit(lambda e: e.release_parked(member_id))
+
+    def _connector_for(self, peer_id: str, peer: Any) -> KVConnector:
+        for name in self._order:
+            connector = self._connectors[name]
+            if connector.reaches(peer_id, peer):
+                return connector
+        raise KVTransferError(f"no KV connector of {list(self._order)} reaches {peer_id}")
+
+    # ------------------------------------------------------------------ decode side (RPCs)
+    def kv_accept(self, connector: str, peer_id: str, info: Any) -> bool:
+        """A sender's set-up call for ``connector`` (join its pair group, map its cache)."""
+        return self._connectors[connector].accept(peer_id, info)
+
+    def kv_reserve(self, connector: str, meta: dict[str, Any], front_id: str = "default"
+                   ) -> tuple[list[int], list[int]] | None:
+        """Allocate blocks for an arriving sample: (logical indices it needs, their physical ids),
+        or None when full now (the sender retries)."""
+        return self._connectors[connector].reserve(meta, front_id)
+
+    def kv_receive(self, connector: str, peer_id: str, member_id: str, blocks: list[int] | None,
+                   payload: Any) -> int | None:
+        """Take a sample's KV through ``connector`` and start decoding it; the bytes received."""
+        return self._connectors[connector].receive(peer_id, member_id, blocks, payload)
+
+    def kv_cancel(self, member_id: str) -> None:
+        """The sender gave up on ``member_id``: free its reservation; returns once no copy of it
+        is running here, and none will start (the sender may then reuse its blocks)."""
+        def withdraw(engine: Any) -> None:
+            now = time.monotonic()
+            if len(self._withdrawn) > 1024:  # only a copy still queued can match an old entry
+                self._withdrawn = {k: t for k, t in self._withdrawn.items() if now - t < 4 * self.kv_timeout_s}
+            self._withdrawn[member_id] = now
+            if engine.cancel_remote(member_id):
+                self._withdrawn.pop(member_id, None)  # the reservation was still here: nothing queued
+
+        self.engine.call(withdraw, timeout=self.kv_timeout_s)
+
+    # ------------------------------------------------------------------ KVHost, for connectors
+    def register(self, request_id: str, front_id: str, n: int) -> None:
+        self._register(request_id, front_id, n)
+
+    def owner_front(self, request_id: str) -> str:
+        owner = self._owner.get(request_id)
+        return owner[0] if owner else "default"
+
+    def refuses(self, request_id: str) -> bool:
+        return request_id in self._cancelled
+
+    def take_withdrawn(self, member_id: str) -> bool:
+        """Engine thread: True (once) when ``member_id``'s sender withdrew it."""
+        return self._withdrawn.pop(member_id, None) is not None
+
+    def admit(self, member_id: str) -> None:
+        self.engine.submit(lambda e: self.admit_here(e, member_id))
+
+    def admit_here(self, engine: Any, member_id: str) -> None:
+        """Engine thread: the KV is in; start decoding unless the request was aborted meanwhile."""
+        request_id = member_id.split("#", 1)[0]
+        if request_id in self._cancelled:
+            engine.cancel_remote(member_id)
+            return
+        engine.admit_remote(member_id)
+        if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
+            engine.pause_request(request_id)

@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping: block pool, per-request block tables, prefix-cache keys."""

@@ -1,0 +1,1 @@
+"""Model folders: the embedded default model, GGUF conversion and weight quantisation."""

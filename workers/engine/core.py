@@ -1,0 +1,289 @@
+"""The engine core: ``schedule -> run -> postprocess``, one forward per ``step``.
+
+It speaks token ids only. ``add_request`` validates and raises a typed error before anything
+is allocated; ``abort_request`` and every other terminal path go through
+``Scheduler.finish``, which frees KV exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from workers.blocks.manager import BlockManager
+from workers.blocks.prefix_hash import CacheNamespace
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import ModelRunner, kv_cache_block_bytes, sampling_requests
+from workers.engine.outputs import TokenDelta
+from workers.engine.request import Request, RequestGroup, RequestStatus
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.swap import HostBlockPool
+from workers.engine.validation import RequestLimits
+from workers.errors import InvalidRequestError
+from workers.kv.migration import KVMigrationMixin
+from workers.model.llama import LlamaForCausalLM
+from workers.sampling.params import SamplingParams
+from workers.sampling.sampler import Sampler, SamplingRow
+
+
+class EngineCore(KVMigrationMixin):
+    """Continuous-batching engine over one model and one paged KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
+                 eos_token_ids: Sequence[int], namespace: CacheNamespace | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          namespace=namespace)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
+                                  num_host_blocks=self._host_blocks(model, config),
+                                  shared=config.kv_cache_shared)
+        host_pool = HostBlockPool(self.runner.host_cache.shape[2]) if self.runner.host_cache is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, host_pool)
+        self.sampler = Sampler()
+        self.groups: dict[str, RequestGroup] = {}
+        self._members: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # prefill done, KV held until shipped
+        self.incoming: dict[str, Request] = {}  # blocks reserved, KV being received
+        self.paused: dict[str, Request] = {}  # descheduled for a slow reader, KV kept
+        # Totals since start: how busy the engine is and on what (metrics, pool-ratio planning).
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+        self.num_prefill_tokens_computed = 0
+        self.num_decode_tokens_computed = 0
+
+    @staticmethod
+    def _host_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
+        if config.scheduler.preemption_mode != "swap":
+            return 0
+        dtype = model.dtype
+        return int(config.swap_space_gib * (1 << 30)) // kv_cache_block_bytes(model, config.block_size, dtype)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None, prefill_only: bool = False) -> None:
+        """Queue a request. Raises InvalidRequestError (nothing allocated) when it cannot run.
+
+        ``prefill_only`` parks the request with its KV after the first token (disaggregated prefill).
+        """
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.validate(prompt_token_ids, params)
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
+        member_id = request_id if params.n == 1 else f"{request_id}#0"
+        req = Request(member_id, list(prompt_token_ids), params, max_total,
+                      arrival_time=arrival_time or time.monotonic(), priority=priority,
+                      cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1,
+                      prefill_only=prefill_only)
+        self.groups[request_id] = RequestGroup(request_id, [member_id], len(prompt_token_ids))
+        self._members[member_id] = req
+        self.scheduler.add_request(req)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Every check that needs the model; raises InvalidRequestError with the OpenAI param name."""
+        self.limits.validate(prompt_token_ids, params)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[TokenDelta]:
+        """Finish the given client requests as aborted; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        deltas = []
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            for mid in list(group.member_ids):
+                req = self._members.get(mid)
+                if req is not None:
+                    req.fork_pending = 0
+                    deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED, []))
+        return deltas
+
+    def pause_request(self, request_id: str) -> int:
+        """Deschedule a client request's running samples (its reader is slow); KV stays allocated.
+
+        This frees compute, not memory (seed 000 §4.4); ``resume_request`` puts them back.
+        """
+        group = self.groups.get(request_id)
+        count = 0
+        for mid in group.member_ids if group else ():
+            req = self._members.get(mid)
+            if req is not None and req.status == RequestStatus.RUNNING and mid not in self.parked:
+                self.scheduler.detach(req)
+                self.paused[mid] = req
+                count += 1
+        return count
+
+    def resume_request(self, request_id: str) -> int:
+        group = self.groups.get(request_id)
+        count = 0
+        for mid in group.member_ids if group else ():
+            req = self.paused.pop(mid, None)
+            if req is not None:
+                self.scheduler.admit_running(req)
+                count += 1
+        return count
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request is waiting or running (parked KV does not count)."""
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[TokenDelta]:
+        """Schedule, run one forward, sample, apply stop conditions. Returns this step's deltas."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.runner.apply_swaps(out)  # a tick may only swap out; the copies cannot wait
+            return []
+        started = time.perf_counter()
+        try:
+            return self._run_step(out)
+        finally:
+            self.num_steps += 1
+            self.busy_seconds += time.perf_counter() - started
+            self.num_decode_tokens_computed += len(out.decodes)
+            self.num_prefill_tokens_computed += out.num_batched_tokens - len(out.decodes)
+
+    def _run_step(self, out: SchedulerOutput) -> list[TokenDelta]:
+        sampling = [s.request for s in sampling_requests(out)]
+        logits = self.runner.execute(out, self.block_manager.block_table)
+        self.scheduler.update_after_forward(out)
+        if not sampling:
+            return []
+        now = time.monotonic()
+        rows, row_reqs, logits = self._expand_forks(sampling, logits)
+        result = self.sampler(logits, rows)
+        token_ids = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist() if any(r.params.logprobs is not None for r in row_reqs) else []
+        top_ids = top_vals = None
+        if result.top_logprob_ids is not None:
+            top_ids = result.top_logprob_ids.tolist()
+            top_vals = result.top_logprobs.tolist()
+        deltas = []
+        for i, req in enumerate(row_reqs):
+            tok = token_ids[i]
+            req.append_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            delta = TokenDelta(req.parent_id or req.request_id, req.index, [tok],
+                               num_prompt_tokens=req.num_prompt_tokens,
+                               num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.params.logprobs is not None:
+                delta.logprobs = [logprobs[i]]
+                if top_ids is not None and req.params.logprobs:
+                    k = req.params.logprobs
+                    delta.top_logprobs = [list(zip(top_ids[i][:k], top_vals[i][:k]))]
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self._finish(req, status, None)
+                delta.finish_reason = req.status.finish_reason
+                delta.stop_reason = req.stop_reason
+            elif req.prefill_only:
+                self._park(req)
+                delta.kv_ready = True
+            deltas.append(delta)
+        return deltas
+
+    def _expand_forks(self, sampling: list[Request], logits: torch.Tensor
+                      ) -> tuple[list[SamplingRow], list[Request], torch.Tensor]:
+        """Rows for the sampler; a request finishing its prompt with ``n > 1`` forks its siblings here,
+        so all samples share the prompt's KV blocks and its last logits row."""
+        row_reqs: list[Request] = []
+        repeat: list[int] = []
+        for req in sampling:
+            row_reqs.append(req)
+            copies = 1 + req.fork_pending
+            if req.fork_pending:
+                group = self.groups[req.parent_id or req.request_id]
+                for idx in range(1, copies):
+                    child = Request(f"{group.request_id}#{idx}", req.prompt_token_ids, req.params,
+                                    req.max_total_tokens, arrival_time=req.arrival_time,
+                                    priority=req.priority, cache_salt=req.cache_salt,
+                                    parent_id=group.request_id, index=idx,
+                                    prefill_only=req.prefill_only)
+                    self.scheduler.fork(req, child)
+                    group.member_ids.append(child.request_id)
+                    self._members[child.request_id] = child
+                    row_reqs.append(child)
+                req.fork_pending = 0
+            repeat.append(copies)
+        if len(row_reqs) != len(sampling):
+            logits = logits.repeat_interleave(torch.tensor(repeat, device=logits.device), dim=0)
+        return [self._row(r) for r in row_reqs], row_reqs, logits
+
+    def _row(self, req: Request) -> SamplingRow:
+        p = req.params
+        needs_history = (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                         or p.presence_penalty != 0.0)
+        suppress: list[int] = []
+        if req.num_output_tokens < p.min_tokens:
+            suppress = [*self.eos_token_ids, *p.stop_token_ids]
+        return SamplingRow(p, req.prompt_token_ids if needs_history else (),
+                           req.output_token_ids if needs_history else (), req.generator, suppress)
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, index: int, reason: str, stop_reason: int | str | None
+                       ) -> None:
+        """Finish one sample from outside (a stop string matched in the output processor)."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        req = self._members.get(request_id) or self._members.get(f"{request_id}#{index}")
+        if req is None:
+            return
+        req.stop_reason = stop_reason
+        status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_ABORTED
+        self._finish(req, status, None)
+
+    def _finish(self, req: Request, status: RequestStatus, token_ids: list[int] | None) -> TokenDelta:
+        """The one reclaim path: frees KV (idempotently) and forgets the request once all samples end."""
+        if (self.parked.pop(req.request_id, None) or self.incoming.pop(req.request_id, None)
+                or self.paused.pop(req.request_id, None)):
+            self.block_manager.free(req.request_id)  # KV held outside the scheduler
+            req.status = status
+        else:
+            self.scheduler.finish(req, status)
+        gid = self._forget(req)
+        return TokenDelta(gid, req.index, token_ids or [], finish_reason=status.finish_reason,
+                          stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                          num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _forget(self, req: Request) -> str:
+        """Drop a terminal sample from the bookkeeping; the group goes once all its samples have."""
+        self._members.pop(req.request_id, None)
+        gid = req.parent_id or req.request_id
+        group = self.groups.get(gid)
+        if group is not None and req.fork_pending == 0 and all(
+                m not in self._members for m in group.member_ids):
+            del self.groups[gid]
+        return gid

@@ -1,0 +1,1 @@
+"""KV moving between workers: migration metadata, connectors per transport, pair groups, events."""

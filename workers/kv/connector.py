@@ -1,0 +1,190 @@
+"""The KV connector contract: how a parked request's KV moves from a prefill worker into a decode
+worker. One implementation per transport, each registered by name (``register_connector``), made
+by ``make_connector``; the Worker calls only this interface.
+
+Prefill side (the sender; on the prefill worker's shipping threads):
+
+- ``reaches(peer_id, peer)``: whether this connector can serve that decode worker at all (shared
+  memory: only a peer on this machine that maps our cache). Asked before ``send``; may be cached.
+- ``send(peer_id, peer, shipment)``: offer the sample to the peer (it reserves blocks, or says it
+  is full and we retry until the KV timeout), move the data, and return once the peer has admitted
+  the sample; the bytes moved. Any failure raises, leaving the peer's state to ``abandon``.
+- ``abandon(peer_id, peer, shipment)``: after a failed ``send``: withdraw whatever the peer holds
+  for the sample, returning only once it can no longer read our blocks (they are freed next), and
+  reset this connector's state for that peer (a broken pair group) so the next request starts clean.
+
+Decode side (the receiver; in the decode worker's RPCs, ``Worker.kv_*``):
+
+- ``accept(peer_id, info)``: a sender's one-off set-up call (join its pair group, map its cache).
+- ``reserve(meta, front_id)``: allocate blocks for an arriving sample: (logical block indices still
+  needed, their physical ids), or None when full now. Blocks already in this worker's prefix cache
+  are not asked for.
+- ``receive(peer_id, member_id, blocks, payload)``: take the data into the reserved ``blocks`` and
+  admit the sample (at most once); the bytes received, or None when full now (a connector that
+  reserves inside ``receive``). A withdrawn or aborted sample is refused, its reservation freed.
+- Cancelling a reservation is the same for every transport: ``Worker.kv_cancel``.
+
+Whatever the transport: a sample is admitted at most once, every reservation is freed on every exit
+path, and no call waits longer than the worker's KV timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from workers.errors import OutOfBlocksError
+from workers.kv.migration import MigrationMeta
+
+# Tried in this order by transport "auto": the first that reaches the peer ships to it.
+AUTO_ORDER = ("shared_memory", "collective")
+
+
+@dataclass
+class KVShipment:
+    """One parked sample to ship: its request, engine member id, metadata and block table."""
+
+    request_id: str
+    member_id: str
+    meta: MigrationMeta
+    table: list[int]  # the sender's physical blocks, by logical index
+
+
+class KVHost(Protocol):
+    """What a connector needs from the worker it serves (``workers.actor.worker.Worker``)."""
+
+    worker_id: str
+    host: str  # the address this worker listens on
+    kv_timeout_s: float
+    engine: Any  # AsyncEngine: every engine access goes through its loop thread
+    core: Any  # EngineCore, for reads that are safe off the loop thread
+    transfer: Any  # KVTransferEngine over this worker's cache
+
+    def register(self, request_id: str, front_id: str, n: int) -> None: ...
+    def owner_front(self, request_id: str) -> str: ...
+    def refuses(self, request_id: str) -> bool: ...
+    def take_withdrawn(self, member_id: str) -> bool: ...
+    def admit(self, member_id: str) -> None: ...
+    def admit_here(self, engine: Any, member_id: str) -> None: ...
+
+
+class KVConnector:
+    """Base of every connector: the contract above, with the decode-side reservation that the
+    transports which move data after reserving share."""
+
+    name: ClassVar[str] = ""
+    needs_shared_cache: ClassVar[bool] = False  # the prefill worker's cache must be exportable
+
+    def __init__(self, host: KVHost) -> None:
+        self.host = host
+
+    # ------------------------------------------------------------------ prefill side
+    def reaches(self, peer_id: str, peer: Any) -> bool:
+        return True
+
+    def send(self, peer_id: str, peer: Any, shipment: KVShipment) -> int:
+        raise NotImplementedError
+
+    def abandon(self, peer_id: str, peer: Any, shipment: KVShipment) -> None:
+        peer.kv_cancel.remote(shipment.member_id)  # our blocks are not read once send has failed
+
+    # ------------------------------------------------------------------ decode side
+    def accept(self, peer_id: str, info: Any) -> bool:
+        raise ValueError(f"connector {self.name!r} takes no set-up call")
+
+    def reserve(self, meta: dict[str, Any], front_id: str) -> tuple[list[int], list[int]] | None:
+        m = MigrationMeta(**meta)
+        if self.host.refuses(m.request_id):
+            from workers.kv.transfer import KVTransferError
+
+            raise KVTransferError(f"request {m.request_id} was aborted")
+        self.host.register(m.request_id, front_id, int(m.params.get("n", 1)))
+
+        def reserve(engine: Any) -> tuple[list[int], list[int]]:
+            needed = engine.reserve_remote(m)
+            table = engine.incoming_block_table(m.member_id)
+            return needed, [table[i] for i in needed]
+
+        try:
+            return self.host.engine.call(reserve)
+        except OutOfBlocksError:
+            return None
+
+    def receive(self, peer_id: str, member_id: str, blocks: list[int] | None, payload: Any) -> int | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ both
+    def peers_changed(self, peers: dict[str, Any]) -> None:
+        """The worker's peers are now ``peers``: forget state kept for any that left."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ helpers
+    def until_room(self, meta: MigrationMeta, ask: Callable[[str], Any]) -> Any:
+        """Call ``ask(front_id)`` (a decode worker RPC) until it answers other than None (None: no
+        free blocks there now), backing off, until the KV timeout (``OutOfBlocksError``)."""
+        deadline = time.monotonic() + self.host.kv_timeout_s
+        delay = 0.01
+        while True:
+            answer = ray_get(ask(self.host.owner_front(meta.request_id)), self.host.kv_timeout_s)
+            if answer is not None:
+                return answer
+            if time.monotonic() > deadline:
+                raise OutOfBlocksError(f"decode worker had no room for {meta.member_id} within "
+                                       f"{self.host.kv_timeout_s}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+_REGISTRY: dict[str, type[KVConnector]] = {}
+
+
+def register_connector(cls: type[KVConnector]) -> type[KVConnector]:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"connector name {cls.name!r} is empty or taken")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def connector_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def connector_class(name: str) -> type[KVConnector]:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown KV connector {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def make_connector(name: str, host: KVHost) -> KVConnector:
+    """The connector registered as ``name``, serving ``host``."""
+    return connector_class(name)(host)
+
+
+def connector_order(transport: str) -> tuple[str, ...]:
+    """The connectors a transport setting tries, in order: "auto" or one connector's name."""
+    if transport == "auto":
+        return AUTO_ORDER
+    connector_class(transport)
+    return (transport,)
+
+
+def ray_get(ref: Any, timeout: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout)
+
+
+def _load_builtin() -> None:
+    # Importing registers them; here rather than at the top, as they import this module.
+    from workers.kv.connectors import collective, object_store, shared_memory  # noqa: F401

@@ -1,0 +1,134 @@
+"""Engine hooks for moving a request's KV between workers (disaggregated prefill/decode).
+
+Ownership follows one contract: the prefill engine parks a request after its first token and
+keeps its blocks; the decode engine reserves blocks (``reserve_remote``) and says which logical
+blocks it still needs (its own prefix cache may hold the rest); the data moves; the decode
+engine admits the request (``admit_remote``); only then the prefill engine releases its blocks
+(``release_parked``). Every step has a failure path: ``cancel_remote`` on the decode side and
+``release_parked`` on the prefill side free what they hold.
+All methods must run on the engine's loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from workers.engine.request import Request, RequestGroup, RequestStatus
+from workers.errors import OutOfBlocksError
+from workers.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.core import EngineCore
+
+
+@dataclass
+class MigrationMeta:
+    """Everything a decode worker needs to continue a request (msgpack-friendly)."""
+
+    request_id: str  # the client request (group) id
+    member_id: str
+    index: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: dict[str, Any]
+    max_total_tokens: int
+    priority: int
+    cache_salt: str | None
+    age_s: float  # seconds since arrival, so queue/TTFT metrics survive the hop
+    num_cached_tokens: int
+    generator_state: bytes | None
+
+    def sampling_params(self) -> SamplingParams:
+        raw = dict(self.params)
+        if raw.get("logit_bias"):
+            raw["logit_bias"] = {int(k): v for k, v in raw["logit_bias"].items()}
+        return SamplingParams(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class KVMigrationMixin:
+    """Methods ``EngineCore`` gains for shipping KV; see the module docstring for the contract."""
+
+    def _park(self: EngineCore, req: Request) -> None:
+        self.scheduler.detach(req)
+        self.parked[req.request_id] = req
+
+    def migration_meta(self: EngineCore, member_id: str) -> tuple[MigrationMeta, list[int]]:
+        """The parked request's meta and its block table (physical ids, logical order)."""
+        req = self.parked[member_id]
+        state = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+        meta = MigrationMeta(
+            request_id=req.parent_id or req.request_id, member_id=req.request_id, index=req.index,
+            prompt_token_ids=list(req.prompt_token_ids), output_token_ids=req.output_token_ids,
+            params=asdict(req.params), max_total_tokens=req.max_total_tokens, priority=req.priority,
+            cache_salt=req.cache_salt, age_s=time.monotonic() - req.arrival_time,
+            num_cached_tokens=max(req.num_cached_tokens, 0), generator_state=state)
+        return meta, list(self.block_manager.block_table(member_id))
+
+    def release_parked(self: EngineCore, member_id: str) -> bool:
+        """Free a parked request's blocks after its KV was shipped (or shipping failed). Idempotent."""
+        req = self.parked.pop(member_id, None)
+        if req is None:
+            return False
+        self.block_manager.free(member_id)
+        req.status = RequestStatus.MIGRATED
+        self._forget(req)
+        return True
+
+    def reserve_remote(self: EngineCore, meta: MigrationMeta) -> list[int]:
+        """Allocate blocks for a request arriving with its KV; return the logical block indices
+        whose data must be received (blocks this worker's prefix cache already holds are skipped).
+
+        Raises OutOfBlocksError, changing nothing, when the blocks are not free now.
+        """
+        params = meta.sampling_params()
+        req = Request(meta.member_id, meta.prompt_token_ids, params, meta.max_total_tokens,
+                      arrival_time=time.monotonic() - meta.age_s, priority=meta.priority,
+                      cache_salt=meta.cache_salt, parent_id=meta.request_id, index=meta.index)
+        for tok in meta.output_token_ids:
+            req.append_token(tok)
+        if meta.generator_state is not None:
+            gen = torch.Generator()
+            gen.set_state(torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8))
+            req.generator = gen
+        computed = req.num_tokens - 1  # every position but the last sampled token has KV
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
+        if not bm.allocate(req.request_id, req.all_token_ids, cached, computed - cached,
+                           num_cached_tokens=cached, salt=req.cache_salt):
+            bm.free(req.request_id)
+            raise OutOfBlocksError(f"no room for {computed} tokens of KV for {meta.member_id}")
+        req.num_cached_tokens = meta.num_cached_tokens
+        req.num_computed_tokens = computed
+        self.incoming[req.request_id] = req
+        bs = bm.block_size
+        return list(range(cached // bs, (computed + bs - 1) // bs))
+
+    def incoming_block_table(self: EngineCore, member_id: str) -> list[int]:
+        return list(self.block_manager.block_table(member_id))
+
+    def admit_remote(self: EngineCore, member_id: str) -> None:
+        """The KV has arrived: publish its full blocks to the prefix cache and start decoding."""
+        req = self.incoming.pop(member_id)
+        self.block_manager.commit_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        gid = req.parent_id or req.request_id
+        group = self.groups.get(gid)
+        if group is None:
+            group = self.groups[gid] = RequestGroup(gid, [], req.num_prompt_tokens)
+        group.member_ids.append(req.request_id)
+        self._members[req.request_id] = req
+        self.scheduler.admit_running(req)
+
+    def cancel_remote(self: EngineCore, member_id: str) -> bool:
+        """Drop a reservation whose KV never arrived. Idempotent."""
+        req = self.incoming.pop(member_id, None)
+        if req is None:
+            return False
+        self.block_manager.free(member_id)
+        return True
