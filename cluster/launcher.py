@@ -154,7 +154,8 @@ class Cluster:
         threads = worker_threads(self.config)
         roles = self.roles()
         mode, omp_env = openmp_plan(self.config, len(roles))  # config errors before Ray starts
-        env = {"GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false", **omp_env}
+        # No GLOO_SOCKET_IFNAME: each pair group pins gloo to the interface that reaches its peer.
+        env = {"TOKENIZERS_PARALLELISM": "false", **omp_env}
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._started_ray = init_ray(self.config)

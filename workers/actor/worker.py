@@ -54,17 +54,18 @@ class Worker:
 
     def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int | None = 1,
                  kv_transport: str = "auto", kv_timeout_s: float = 30.0,
-                 host: str = "127.0.0.1", core_share: dict[str, Any] | None = None) -> None:
+                 host: str | None = None, core_share: dict[str, Any] | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         order = connector_order(kv_transport)  # ValueError naming the known ones
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # None: the cores of the machine this worker landed on (threads_per_worker = "auto" on a
         # cluster without CPU reservations)
         threads = threads or capabilities.usable_cores()
         torch.set_num_threads(threads)
         self.worker_id, self.role = worker_id, role
-        self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host
+        # Every listener (output stream, pair-group rendezvous) binds the address peers and fronts
+        # on other nodes reach this one by: Ray's node address (loopback on a one-node deployment).
+        self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host or node_address()
         engine = dict(engine)
         # A prefill worker's cache goes in shared memory when a connector it may use maps it.
         engine.setdefault("kv_cache_shared", role == "prefill" and can_share()
@@ -105,7 +106,7 @@ class Worker:
         self._shipper = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ship",
                                            initializer=openmp.serial_here)
         self.transfer_log: list[float] = []
-        self._output = OutputServer(host, self._front_connected)
+        self._output = OutputServer(self.host, self._front_connected)
 
     # ------------------------------------------------------------------ front-facing
     def info(self) -> dict[str, Any]:
@@ -386,3 +387,15 @@ class Worker:
         engine.admit_remote(member_id)
         if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
             engine.pause_request(request_id)
+
+
+def node_address() -> str:
+    """The address Ray knows this node by, or loopback outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"

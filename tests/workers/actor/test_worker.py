@@ -175,3 +175,17 @@ def test_an_add_that_comes_after_its_abort_is_answered_with_an_abort_not_run(tin
         assert stats["num_free_blocks"] == NUM_BLOCKS and stats["tracked_requests"] == 0
     finally:
         worker.shutdown()
+
+
+def test_listeners_bind_the_address_ray_knows_the_node_by(monkeypatch):
+    """Output stream and pair-group rendezvous bind the node's routable address, so that fronts and
+    peers on other nodes reach them; loopback only outside Ray (or when Ray itself is on it)."""
+    import ray
+
+    from workers.actor.worker import node_address
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.18.0.7")
+    assert node_address() == "198.18.0.7"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert node_address() == "127.0.0.1"
