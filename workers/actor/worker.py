@@ -44,6 +44,7 @@ from workers.kv.migration import MigrationMeta
 from workers.kv.shared import can_share
 from workers.kv.transfer import KVTransferEngine, KVTransferError
 from workers.llm import build_engine
+from workers.node import node_address, node_id
 
 log = logging.getLogger("baton.worker")
 ROLES = ("prefill", "decode", "colocated")
@@ -114,7 +115,7 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype,
+                "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "node_id": node_id(),
                 "output_address": list(self._output.address)}
 
     def set_peers(self, peers: dict[str, Any]) -> None:
@@ -387,15 +388,3 @@ class Worker:
         engine.admit_remote(member_id)
         if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
             engine.pause_request(request_id)
-
-
-def node_address() -> str:
-    """The address Ray knows this node by, or loopback outside Ray."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"

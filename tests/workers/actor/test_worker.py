@@ -78,9 +78,12 @@ def test_a_withdrawn_transfer_is_refused_and_a_full_worker_answers_none(tiny_mod
     worker = _decode_worker(tiny_model_dir)
     try:
         # what a prefill worker asks first: can you map my cache? (no: it ships over gloo instead)
-        assert not worker.kv_accept("shared_memory", "prefill-0", {**export, "machine": "another-boot/1"})
+        node = worker.info()["node_id"]  # None outside Ray: in-process here
+        assert not worker.kv_accept("shared_memory", "prefill-0", {"export": {**export, "machine": "another-boot/1"},
+                                                                   "node_id": node})
+        assert not worker.kv_accept("shared_memory", "prefill-0", {"export": export, "node_id": "another-node"})
         assert worker.stats()["mapped_peer_caches"] == 0
-        assert worker.kv_accept("shared_memory", "prefill-0", export) and worker.stats()["mapped_peer_caches"] == 1
+        assert worker.kv_accept("shared_memory", "prefill-0", {"export": export, "node_id": node}) and worker.stats()["mapped_peer_caches"] == 1
         worker.kv_cancel(meta.member_id)  # the sender gave up before the copy was queued
         with pytest.raises(KVTransferError, match="withdrawn"):
             _shared_receive(worker, meta.to_dict(), table, export)
@@ -182,7 +185,7 @@ def test_listeners_bind_the_address_ray_knows_the_node_by(monkeypatch):
     peers on other nodes reach them; loopback only outside Ray (or when Ray itself is on it)."""
     import ray
 
-    from workers.actor.worker import node_address
+    from workers.node import node_address
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.18.0.7")

@@ -13,14 +13,17 @@ from workers.kv.connector import KVConnector, KVShipment, ray_get, register_conn
 from workers.kv.migration import MigrationMeta
 from workers.kv.shared import KVExport, export_alive, map_export
 from workers.kv.transfer import KVTransferError
+from workers.node import node_id
 
 log = logging.getLogger("baton.kv")
 
 
 @register_connector
 class SharedMemoryConnector(KVConnector):
-    """Reaches a peer only when that peer could map our exported cache (same machine, and /proc
-    lets it open our descriptor); asked once per peer."""
+    """Reaches a peer only when it runs on this Ray node and could map our exported cache (same
+    machine and PID namespace, and /proc lets it open our descriptor); asked once per peer. Two
+    Ray nodes on one machine (network namespaces, containers) never share: KV between nodes goes
+    over the network, as it would between machines."""
 
     name = "shared_memory"
     needs_shared_cache = True
@@ -29,6 +32,7 @@ class SharedMemoryConnector(KVConnector):
         super().__init__(host)
         export = host.core.runner.kv_export  # set on a prefill worker whose cache is shared
         self._export = export.to_dict() if export is not None else None
+        self._node = node_id()
         self._reaches: dict[str, bool] = {}  # decode peer id -> it maps our cache (prefill side)
         self._mapped: dict[str, tuple[KVExport, list[Any]]] = {}  # prefill peer -> its mapped cache
 
@@ -38,7 +42,8 @@ class SharedMemoryConnector(KVConnector):
             return False
         same = self._reaches.get(peer_id)
         if same is None:
-            same = bool(ray_get(peer.kv_accept.remote(self.name, self.host.worker_id, self._export),
+            offer = {"export": self._export, "node_id": self._node}
+            same = bool(ray_get(peer.kv_accept.remote(self.name, self.host.worker_id, offer),
                                 self.host.kv_timeout_s))
             self._reaches[peer_id] = same
             if not same:
@@ -63,10 +68,14 @@ class SharedMemoryConnector(KVConnector):
 
     # ------------------------------------------------------------------ decode side
     def accept(self, peer_id: str, info: dict[str, Any]) -> bool:
-        """Map a prefill peer's exported cache now; False when it cannot be (another machine,
-        /proc closed to this process), and the peer then uses another connector."""
+        """Map a prefill peer's exported cache now (``info``: its export and Ray node id); False
+        when it cannot be (another node, another machine, /proc closed to this process), and the
+        peer then uses another connector."""
+        if info.get("node_id") != self._node:
+            log.info("prefill worker %s is on another Ray node: its KV comes over the network", peer_id)
+            return False
         try:
-            self._peer_cache(peer_id, KVExport.from_dict(info))
+            self._peer_cache(peer_id, KVExport.from_dict(info["export"]))
         except KVTransferError as exc:
             log.info("cannot map the KV cache of %s: %s", peer_id, exc)
             return False
