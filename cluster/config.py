@@ -49,12 +49,27 @@ class PoolsSection(BaseModel):
     decode: int = Field(1, ge=0)
     colocated: int = Field(0, ge=0)
     cpus_per_worker: float = Field(0.0, ge=0)
+    # Placement: Ray custom resources each worker of a pool asks for (e.g. {node_a = 0.01} on a
+    # node started with --resources '{"node_a": 1}'), pinning the pool to the nodes that have them.
+    prefill_resources: dict[str, float] = Field(default_factory=dict)
+    decode_resources: dict[str, float] = Field(default_factory=dict)
+    colocated_resources: dict[str, float] = Field(default_factory=dict)
+    spread: bool = Field(True, description="place a pool's workers on as many nodes as Ray can (SPREAD)")
 
     @model_validator(mode="after")
     def _some_workers(self) -> PoolsSection:
         if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("pools: need prefill >= 1 and decode >= 1, or colocated >= 1")
+        for role in ("prefill", "decode", "colocated"):
+            for name, amount in getattr(self, f"{role}_resources").items():
+                if not amount > 0 or name in ("CPU", "GPU", "memory"):
+                    raise ValueError(f"pools.{role}_resources: {name} = {amount}: custom resources only, "
+                                     "each > 0 (CPUs: cpus_per_worker)")
         return self
+
+    def resources_for(self, role: str) -> dict[str, float]:
+        """The custom Ray resources one worker of ``role`` asks for."""
+        return dict(getattr(self, f"{role}_resources"))
 
 
 class KVTransferSection(BaseModel):

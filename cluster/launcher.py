@@ -104,6 +104,18 @@ def _usable_cpus() -> int:
     return capabilities.usable_cores()
 
 
+def actor_options(config: ClusterConfig, role: str) -> dict[str, Any]:
+    """Ray placement for one worker of ``role``: its CPUs, the custom resources its pool is pinned
+    by, and SPREAD across nodes unless the config packs them."""
+    options: dict[str, Any] = {"num_cpus": config.pools.cpus_per_worker}
+    resources = config.pools.resources_for(role)
+    if resources:
+        options["resources"] = resources
+    if config.pools.spread:
+        options["scheduling_strategy"] = "SPREAD"
+    return options
+
+
 def worker_threads(config: ClusterConfig) -> int | None:
     """Threads per worker; ``auto`` fills the cores a worker is given: ``pools.cpus_per_worker``
     where reserved, else every core of this machine for a local deployment (workers whose threads
@@ -186,7 +198,7 @@ class Cluster:
             share = ({"path": str(self._board), "slot": slot, "cores": cores}
                      if self._board is not None else None)
             handle = actor_cls.options(
-                num_cpus=self.config.pools.cpus_per_worker, max_concurrency=32,
+                **actor_options(self.config, role), max_concurrency=32,
                 runtime_env={"env_vars": env}, name=None,
             ).remote(wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
                      self.config.kv_transfer.timeout_s, core_share=share)

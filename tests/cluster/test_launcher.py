@@ -124,3 +124,20 @@ def test_workers_that_resolved_different_dtypes_are_refused():
     mixed = [same[0], WorkerRef("decode-0", "decode", None, {"dtype": "bfloat16"})]
     with pytest.raises(ValueError, match="set engine.dtype"):
         launcher.check_same_dtype(mixed)
+
+
+def test_pools_are_pinned_by_their_custom_resources_and_spread_by_default():
+    config = ClusterConfig.model_validate({"pools": {
+        "prefill": 1, "decode": 2, "cpus_per_worker": 2,
+        "prefill_resources": {"node_a": 0.01}, "decode_resources": {"node_b": 0.01}}})
+    assert launcher.actor_options(config, "prefill") == {
+        "num_cpus": 2, "resources": {"node_a": 0.01}, "scheduling_strategy": "SPREAD"}
+    assert launcher.actor_options(config, "decode")["resources"] == {"node_b": 0.01}
+    packed = config.with_overrides(**{"pools.spread": False})
+    assert launcher.actor_options(packed, "colocated") == {"num_cpus": 2}
+
+
+@pytest.mark.parametrize("resources", [{"node_a": 0}, {"CPU": 1}, {"GPU": 1}])
+def test_pool_resources_are_custom_and_positive(resources):
+    with pytest.raises(ValueError, match="custom resources only"):
+        ClusterConfig.model_validate({"pools": {"prefill_resources": resources}})
