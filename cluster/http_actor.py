@@ -53,7 +53,12 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
     workers = [{"worker_id": w.worker_id, "role": w.role, "handle": w.handle, "info": w.info}
                for w in cluster.workers]
     limits = cluster.limits.__dict__.copy()
-    actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=4)
+    # On this (the driver's) node, whose address ``host`` is: on a multi-node cluster a front placed
+    # elsewhere could not bind it, and the URL printed here would point at the wrong machine.
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=4, scheduling_strategy=here)
     fronts = [actor.remote(workers, limits, str(cluster.model_path), model_name, host, port, max_queued,
                            cluster.controller, count > 1) for _ in range(count)]
     ray.get([f.url.remote() for f in fronts])

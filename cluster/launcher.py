@@ -208,10 +208,15 @@ class Cluster:
         check_same_dtype(self.workers)
         peers = {w.worker_id: w.handle for w in self.workers}
         ray.get([w.handle.set_peers.remote(peers) for w in self.workers])
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from cluster.controller import GlobalController
 
-        self.controller = ray.remote(GlobalController).options(num_cpus=0, max_concurrency=8).remote(
-            self.config.server.max_queued_requests)
+        # With the fronts, on the node that started the deployment (the head, as a rule): placed on
+        # a worker's node, losing that node would also lose the view of every other worker.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.controller = ray.remote(GlobalController).options(
+            num_cpus=0, max_concurrency=8, scheduling_strategy=here).remote(self.config.server.max_queued_requests)
         ray.get([self.controller.register.remote(w.worker_id, w.role, w.handle) for w in self.workers])
 
     @property

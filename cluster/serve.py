@@ -74,7 +74,7 @@ def serve(config: ClusterConfig) -> int:
         mode = (f"{config.pools.colocated} colocated" if config.colocated
                 else f"{config.pools.prefill} prefill + {config.pools.decode} decode")
         print(f"Baton serving {model_name} ({mode} workers, {len(fronts)} HTTP front"
-              f"{'s' if len(fronts) > 1 else ''}) at http://{host}:{port}/v1", flush=True)
+              f"{'s' if len(fronts) > 1 else ''}) at http://{reachable_host(host)}:{port}/v1", flush=True)
         print(f"ready in {time.monotonic() - started:.1f}s; Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
@@ -83,3 +83,13 @@ def serve(config: ClusterConfig) -> int:
         stop_fronts(fronts)
         cluster.stop()
     return 0
+
+
+def reachable_host(host: str) -> str:
+    """What a client puts in the URL for a front bound to ``host``: a wildcard bind is reached
+    at this node's address."""
+    if host in ("0.0.0.0", "::", ""):
+        from workers.node import node_address
+
+        return node_address()
+    return host

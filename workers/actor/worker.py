@@ -360,6 +360,7 @@ class Worker:
                 self._withdrawn.pop(member_id, None)  # the reservation was still here: nothing queued
 
         self.engine.call(withdraw, timeout=self.kv_timeout_s)
+        self.forget_sample(member_id.split("#", 1)[0])  # it will not decode here
 
     # ------------------------------------------------------------------ KVHost, for connectors
     def register(self, request_id: str, front_id: str, n: int) -> None:
@@ -368,6 +369,10 @@ class Worker:
     def owner_front(self, request_id: str) -> str:
         owner = self._owner.get(request_id)
         return owner[0] if owner else "default"
+
+    def forget_sample(self, request_id: str) -> None:
+        with self._out_cv:
+            self._sample_left(request_id)
 
     def refuses(self, request_id: str) -> bool:
         return request_id in self._cancelled

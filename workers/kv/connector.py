@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from workers.errors import OutOfBlocksError
+from workers.errors import KVTransferError, OutOfBlocksError
 from workers.kv.migration import MigrationMeta
 
 # Tried in this order by transport "auto": the first that reaches the peer ships to it.
@@ -66,6 +66,7 @@ class KVHost(Protocol):
     def owner_front(self, request_id: str) -> str: ...
     def refuses(self, request_id: str) -> bool: ...
     def take_withdrawn(self, member_id: str) -> bool: ...
+    def forget_sample(self, request_id: str) -> None: ...
     def admit(self, member_id: str) -> None: ...
     def admit_here(self, engine: Any, member_id: str) -> None: ...
 
@@ -97,12 +98,13 @@ class KVConnector:
     def reserve(self, meta: dict[str, Any], front_id: str) -> tuple[list[int], list[int]] | None:
         m = MigrationMeta(**meta)
         if self.host.refuses(m.request_id):
-            from workers.kv.transfer import KVTransferError
-
             raise KVTransferError(f"request {m.request_id} was aborted")
         self.host.register(m.request_id, front_id, int(m.params.get("n", 1)))
 
         def reserve(engine: Any) -> tuple[list[int], list[int]]:
+            if self.host.take_withdrawn(m.member_id):  # its sender gave up before this ran
+                self.host.forget_sample(m.request_id)
+                raise KVTransferError(f"{m.member_id} was withdrawn by its sender")
             needed = engine.reserve_remote(m)
             table = engine.incoming_block_table(m.member_id)
             return needed, [table[i] for i in needed]
@@ -180,9 +182,14 @@ def connector_order(transport: str) -> tuple[str, ...]:
 
 
 def ray_get(ref: Any, timeout: float) -> Any:
+    """``ray.get`` bounded by ``timeout``; a peer that does not answer in time (unreachable, or
+    stuck) is a ``KVTransferError`` saying so."""
     import ray
 
-    return ray.get(ref, timeout=timeout)
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise KVTransferError(f"the peer did not answer within {timeout}s") from exc
 
 
 def _load_builtin() -> None:
