@@ -76,6 +76,17 @@ def _run(cluster: Cluster, jobs, streamed: bool = True):
     return asyncio.run(main())
 
 
+def _settled(cluster: Cluster, done, timeout_s: float = 10.0) -> dict:
+    """Every worker's stats once ``done(stats)`` holds for all of them, or the last read at the
+    timeout (work a front aborted ends within a few steps, not at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _worker_stats(cluster)
+        if all(done(s) for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 def _worker_stats(cluster: Cluster):
     import ray
 
@@ -141,12 +152,7 @@ def test_32_streams_then_cancel_half_returns_every_block(disagg, tiny_model_dir)
     counts = asyncio.run(main())
     assert all(c == 40 for c in counts[0::2])
     assert all(3 <= c < 40 for c in counts[1::2])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = _worker_stats(disagg)
-        if all(s["num_free_blocks"] == NUM_BLOCKS and s["num_running"] == 0 for s in stats.values()):
-            break
-        time.sleep(0.2)
+    stats = _settled(disagg, lambda s: s["num_free_blocks"] == NUM_BLOCKS and s["num_running"] == 0)
     assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values()), stats
     assert all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats.values()), stats
 
@@ -214,12 +220,7 @@ def test_a_request_id_is_refused_twice_at_once_and_reusable_right_after_an_abort
             await pool.stop()
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == expected
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = _worker_stats(disagg)
-        if all(s["num_free_blocks"] == NUM_BLOCKS and s["tracked_requests"] == 0 for s in stats.values()):
-            break
-        time.sleep(0.2)
+    stats = _settled(disagg, lambda s: s["num_free_blocks"] == NUM_BLOCKS and s["tracked_requests"] == 0)
     assert all(s["num_free_blocks"] == NUM_BLOCKS and s["tracked_requests"] == 0 for s in stats.values()), stats
 
 
