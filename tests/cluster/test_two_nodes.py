@@ -5,97 +5,35 @@ across nodes: nothing in it may lean on loopback or on sharing memory."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-TAG = f"bt{os.getpid() % 100000}"  # names and addresses of this run only
-NS_A, NS_B = f"{TAG}a", f"{TAG}b"
-OCTET = os.getpid() % 200 + 20
-ADDR_A, ADDR_B = f"198.18.{OCTET}.1", f"198.18.{OCTET}.2"
-RAY_PORT, HTTP_PORT = 6390, 8123
+from benchmarks.two_nodes import BIN, TwoNodes, Unavailable
+
 KV_TIMEOUT_S = 3.0  # the drill keeps the link down for less than Ray's own node health check
 NUM_BLOCKS = 64
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def _in(ns: str, *cmd: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, **kwargs)
-
-
-def _ray_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    # Multi-node needs this on: Ray refuses to join nodes when it reads 0.
-    env.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
-    return env
-
-
-def _kill_namespace(ns: str) -> None:
-    """Every process in ``ns`` (Ray daemons, workers, the server): never ``ray stop``, which
-    would take this machine's other Ray instances with it."""
-    pids = _ip("netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _ip("netns", "pids", ns, check=False).stdout.strip():
-        time.sleep(0.1)
-
-
-def _teardown(temp_dir: str) -> None:
-    for ns in (NS_A, NS_B):
-        _kill_namespace(ns)
-        _ip("netns", "del", ns, check=False)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+HTTP_PORT = 8123
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    """(namespace A, namespace B) with a Ray head in A and a Ray node in B; removed afterwards."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    probe = _ip("netns", "add", NS_A, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {probe.stderr.strip()}")
-    temp_dir = tempfile.mkdtemp(prefix=f"{TAG}-")
+def lab():
+    """Two Ray nodes in network namespaces (benchmarks.two_nodes), removed afterwards."""
+    nodes = TwoNodes()
     try:
-        _ip("netns", "add", NS_B)
-        _ip("link", "add", f"{TAG}va", "type", "veth", "peer", "name", f"{TAG}vb")
-        _ip("link", "set", f"{TAG}va", "netns", NS_A)
-        _ip("link", "set", f"{TAG}vb", "netns", NS_B)
-        for ns, dev, addr in ((NS_A, f"{TAG}va", ADDR_A), (NS_B, f"{TAG}vb", ADDR_B)):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev, "up")
-        ray = str(BIN / "ray")
-        common = ["--num-cpus", "1", "--disable-usage-stats", "--object-store-memory", str(128 << 20)]
-        head = _in(NS_A, ray, "start", "--head", "--node-ip-address", ADDR_A, "--port", str(RAY_PORT),
-                   "--resources", '{"node_a": 1}', "--temp-dir", temp_dir, "--include-dashboard", "false",
-                   *common, env=_ray_env(), timeout=120)
-        assert head.returncode == 0, head.stdout + head.stderr
-        node = _in(NS_B, ray, "start", "--address", f"{ADDR_A}:{RAY_PORT}", "--node-ip-address", ADDR_B,
-                   "--resources", '{"node_b": 1}', *common, env=_ray_env(), timeout=120)
-        assert node.returncode == 0, node.stdout + node.stderr
-        yield temp_dir
+        nodes.start()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield nodes
     finally:
-        _teardown(temp_dir)
-    assert NS_A not in _ip("netns", "list").stdout and NS_B not in _ip("netns", "list").stdout
+        nodes.stop()
+    assert nodes.gone()
 
 
 # A client run inside namespace A (this process cannot reach it): one request, its JSON answer.
@@ -114,9 +52,9 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
-def _request(path: str, body: dict | None = None, timeout: float = 60) -> dict:
-    done = _in(NS_A, sys.executable, "-c", _CLIENT, f"http://{ADDR_A}:{HTTP_PORT}{path}",
-               json.dumps(body) if body is not None else "", str(timeout), timeout=timeout + 30)
+def _request(lab: TwoNodes, path: str, body: dict | None = None, timeout: float = 60) -> dict:
+    done = lab.run_in(lab.ns_a, sys.executable, "-c", _CLIENT, f"http://{lab.addr_a}:{HTTP_PORT}{path}",
+                      json.dumps(body) if body is not None else "", str(timeout), timeout=timeout + 30)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -128,7 +66,7 @@ def _metric(text: str, name: str, role: str) -> float:
     raise AssertionError(f"no {name} for {role} in the metrics")
 
 
-def test_prefill_on_node_a_decode_on_node_b_over_gloo(two_nodes, tiny_model_dir, tmp_path):
+def test_prefill_on_node_a_decode_on_node_b_over_gloo(lab, tiny_model_dir, tmp_path):
     from workers import LLM, SamplingParams
 
     config = tmp_path / "two-nodes.toml"
@@ -151,15 +89,15 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(two_nodes, tiny_model_dir,
         timeout_s = {KV_TIMEOUT_S}
 
         [server]
-        host = "{ADDR_A}"
+        host = "{lab.addr_a}"
         port = {HTTP_PORT}
         model_name = "tiny"
 
         [ray]
-        address = "{ADDR_A}:{RAY_PORT}"
+        address = "{lab.ray_address}"
     """))
-    server = subprocess.Popen(["ip", "netns", "exec", NS_A, str(BIN / "baton"), "serve", "--config", str(config)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ray_env())
+    server = lab.popen_in(lab.ns_a, str(BIN / "baton"), "serve", "--config", str(config),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -168,21 +106,21 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(two_nodes, tiny_model_dir,
             if not line and server.poll() is not None:
                 break
             lines.append(line)
-        assert any(f"http://{ADDR_A}:{HTTP_PORT}/v1" in ln for ln in lines), "".join(lines)
+        assert any(f"http://{lab.addr_a}:{HTTP_PORT}/v1" in ln for ln in lines), "".join(lines)
 
         llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
         prompt = "Hello world! How are you today?"
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         want = llm.generate([prompt], params)[0].outputs[0].text
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        answer = _request("/v1/completions", body)
+        answer = _request(lab, "/v1/completions", body)
         assert answer["status"] == 200, answer
         assert json.loads(answer["body"])["choices"][0]["text"] == want  # as on one node
 
         # both roles count the KV that crossed the veth (metrics lag a stats interval)
         deadline = time.monotonic() + 15
         while True:
-            metrics = _request("/metrics")["body"]
+            metrics = _request(lab, "/metrics")["body"]
             sent = _metric(metrics, "baton:kv_transfer_bytes_total", "prefill")
             if sent > 0 or time.monotonic() > deadline:
                 break
@@ -191,19 +129,19 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(two_nodes, tiny_model_dir,
 
         # The link goes down: a request whose KV must cross it ends as an error within the KV
         # timeout (not a hang); back up, the pair group is rebuilt and nothing leaked.
-        _ip("-n", NS_A, "link", "set", f"{TAG}va", "down")
+        lab.link(up=False)
         try:
-            failed = _request("/v1/completions", {**body, "prompt": "Paris is the capital of"}, timeout=30)
+            failed = _request(lab, "/v1/completions", {**body, "prompt": "Paris is the capital of"}, timeout=30)
         finally:
-            _ip("-n", NS_A, "link", "set", f"{TAG}va", "up")
+            lab.link(up=True)
         assert failed["seconds"] < KV_TIMEOUT_S + 10, failed
         choice = json.loads(failed["body"])["choices"][0]
         assert choice["finish_reason"] == "abort" and "did not answer" in choice["stop_reason"], failed
-        again = _request("/v1/completions", body)
+        again = _request(lab, "/v1/completions", body)
         assert again["status"] == 200 and json.loads(again["body"])["choices"][0]["text"] == want, again
         deadline = time.monotonic() + 20
         while True:
-            metrics = _request("/metrics")["body"]
+            metrics = _request(lab, "/metrics")["body"]
             usage = [_metric(metrics, "baton:kv_cache_usage_perc", role) for role in ("prefill", "decode")]
             if usage == [0.0, 0.0] or time.monotonic() > deadline:
                 break

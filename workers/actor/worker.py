@@ -106,7 +106,8 @@ class Worker:
         # the decode worker's turn: with 2 threads, a step parking 5 requests took 3 decode turns.
         self._shipper = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-ship",
                                            initializer=openmp.serial_here)
-        self.transfer_log: list[float] = []
+        self.transfer_log: list[float] = []  # shipment seconds since the last stats() (metrics)
+        self.shipments, self.ship_seconds = 0, 0.0  # totals, for readers other than metrics
         self._output = OutputServer(self.host, self._front_connected)
 
     # ------------------------------------------------------------------ front-facing
@@ -203,7 +204,8 @@ class Worker:
         recent, self.transfer_log = self.transfer_log, []
         out = dict(s.__dict__)
         share = self.engine.core_share
-        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent},
+        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent,
+                                        "shipments": self.shipments, "ship_seconds": self.ship_seconds},
                         "core_wait_seconds": share.wait_seconds if share is not None else 0.0}
         out["alive"] = self.engine.is_alive
         for connector in self._connectors.values():
@@ -309,8 +311,10 @@ class Worker:
                 raise KVTransferError(f"decode worker {target!r} is not known")
             connector = self._connector_for(target, peer)
             connector.send(target, peer, shipment)
-            self.transfer_log.append(time.perf_counter() - started)
-            with self._out_cv:
+            seconds = time.perf_counter() - started
+            self.transfer_log.append(seconds)
+            with self._out_cv:  # shipping threads run side by side
+                self.shipments, self.ship_seconds = self.shipments + 1, self.ship_seconds + seconds
                 self._sample_left(request_id)
         except Exception as exc:
             log.warning("KV shipping of %s to %s failed: %r", member_id, target, exc)
