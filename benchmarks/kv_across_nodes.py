@@ -102,16 +102,17 @@ def _inner(args: argparse.Namespace) -> dict[str, Any]:
         cluster.stop()
 
 
+def _median(rows: list[dict], key: str) -> float:
+    return sorted(r[key] for r in rows)[len(rows) // 2]
+
+
 def _summary(results: dict[str, Any]) -> str:
     lines = ["| prompt tokens | KV MB | across nodes (gloo over veth) ms | MB/s | one node (shared memory) ms | MB/s |",
              "|---|---|---|---|---|---|"]
     across, local = results["modes"]["across_nodes"], results["modes"]["one_node"]
     for n in results["prompt_lens"]:
         a, o = across["transfers"][str(n)], local["transfers"][str(n)]
-
-        def med(rows: list[dict], key: str) -> float:
-            return sorted(r[key] for r in rows)[len(rows) // 2]
-
+        med = _median
         lines.append(f"| {n} | {a[0]['bytes'] / 1e6:.1f} | {med(a, 'seconds') * 1e3:.1f} | {med(a, 'mb_per_s'):.0f} "
                      f"| {med(o, 'seconds') * 1e3:.1f} | {med(o, 'mb_per_s'):.0f} |")
     sa, so = across["served"], local["served"]

@@ -70,7 +70,7 @@ class PoolClient:
         self.policy = policy or make_policy("least_loaded")
         self.on_stats = on_stats
         self._streams: dict[str, _Stream] = {}  # by the caller's request id
-        self._by_wire: dict[str, str] = {}  # wire id -> the caller's request id
+        self._by_wire: dict[str, _Stream] = {}  # the same streams, by wire id (deltas carry it)
         self._attempts = 0
         self._tasks: list[asyncio.Task] = []
         self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one stream or outbox per front
@@ -122,7 +122,7 @@ class PoolClient:
         stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()),
                          wire_id)
         self._streams[request_id] = stream
-        self._by_wire[wire_id] = request_id
+        self._by_wire[wire_id] = stream
         first.load.outstanding += 1
         if decode is not None:
             decode.load.outstanding += 1
@@ -193,7 +193,7 @@ class PoolClient:
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
-            stream = self._streams.get(self._by_wire.get(d.request_id, ""))
+            stream = self._by_wire.get(d.request_id)
             if stream is not None:
                 stream.queue.put_nowait(d)
                 if not stream.paused and stream.queue.qsize() >= self.high_water:

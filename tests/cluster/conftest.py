@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,3 +26,26 @@ def ray_session(tmp_path_factory):
              object_store_memory=256 << 20, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def serving(proc: subprocess.Popen, timeout_s: float = 120.0) -> Iterator[list[str]]:
+    """Yield what a ``baton serve`` process printed up to its "ready in" line (or its exit); on
+    leaving, SIGINT it and require a clean exit (code 0) within 60 s."""
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(ln.startswith("ready in") for ln in lines):
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+        yield lines
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() or "")

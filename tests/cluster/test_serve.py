@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.serve import Deployment
+from tests.cluster.conftest import serving
 
 
 def _config(model_dir, **pools) -> ClusterConfig:
@@ -109,16 +109,7 @@ def test_baton_serve_command_starts_and_stops_cleanly(tiny_model_dir, tmp_path):
         [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
          "--port", str(port), "--prefill", "1", "--decode", "1", "--served-model-name", "tiny"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            if line.startswith("ready in"):
-                break
+    with serving(proc) as lines:
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
         for _ in range(100):
             try:
@@ -129,14 +120,6 @@ def test_baton_serve_command_starts_and_stops_cleanly(tiny_model_dir, tmp_path):
             time.sleep(0.1)
         reply = _chat(f"http://127.0.0.1:{port}", temperature=0, max_tokens=5)
         assert reply.choices[0].finish_reason in ("length", "stop")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() or "")
 
 
 def test_two_front_actors_share_one_port(ray_session, tiny_model_dir):

@@ -6,7 +6,6 @@ across nodes: nothing in it may lean on loopback or on sharing memory."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import time
 import pytest
 
 from benchmarks.two_nodes import BIN, TwoNodes, Unavailable
+from tests.cluster.conftest import serving
 
 KV_TIMEOUT_S = 3.0  # the drill keeps the link down for less than Ray's own node health check
 NUM_BLOCKS = 64
@@ -59,6 +59,16 @@ def _request(lab: TwoNodes, path: str, body: dict | None = None, timeout: float 
     return json.loads(done.stdout)
 
 
+def _metrics_once(lab: TwoNodes, done, timeout_s: float) -> str:
+    """The front's /metrics text once ``done(text)`` holds, or the last read at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = _request(lab, "/metrics")["body"]
+        if done(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
+
+
 def _metric(text: str, name: str, role: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and f'role="{role}"' in line:
@@ -98,14 +108,7 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(lab, tiny_model_dir, tmp_p
     """))
     server = lab.popen_in(lab.ns_a, str(BIN / "baton"), "serve", "--config", str(config),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(ln.startswith("ready in") for ln in lines):
-            line = server.stdout.readline()
-            if not line and server.poll() is not None:
-                break
-            lines.append(line)
+    with serving(server) as lines:
         assert any(f"http://{lab.addr_a}:{HTTP_PORT}/v1" in ln for ln in lines), "".join(lines)
 
         llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
@@ -118,13 +121,8 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(lab, tiny_model_dir, tmp_p
         assert json.loads(answer["body"])["choices"][0]["text"] == want  # as on one node
 
         # both roles count the KV that crossed the veth (metrics lag a stats interval)
-        deadline = time.monotonic() + 15
-        while True:
-            metrics = _request(lab, "/metrics")["body"]
-            sent = _metric(metrics, "baton:kv_transfer_bytes_total", "prefill")
-            if sent > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        metrics = _metrics_once(lab, lambda m: _metric(m, "baton:kv_transfer_bytes_total", "prefill") > 0, 15)
+        sent = _metric(metrics, "baton:kv_transfer_bytes_total", "prefill")
         assert sent > 0 and _metric(metrics, "baton:kv_transfer_bytes_total", "decode") == sent
 
         # The link goes down: a request whose KV must cross it ends as an error within the KV
@@ -139,18 +137,9 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(lab, tiny_model_dir, tmp_p
         assert choice["finish_reason"] == "abort" and "did not answer" in choice["stop_reason"], failed
         again = _request(lab, "/v1/completions", body)
         assert again["status"] == 200 and json.loads(again["body"])["choices"][0]["text"] == want, again
-        deadline = time.monotonic() + 20
-        while True:
-            metrics = _request(lab, "/metrics")["body"]
-            usage = [_metric(metrics, "baton:kv_cache_usage_perc", role) for role in ("prefill", "decode")]
-            if usage == [0.0, 0.0] or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert usage == [0.0, 0.0], metrics
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    assert server.returncode == 0, "".join(lines) + (server.stdout.read() or "")
+
+        def usage(m: str) -> list[float]:
+            return [_metric(m, "baton:kv_cache_usage_perc", role) for role in ("prefill", "decode")]
+
+        metrics = _metrics_once(lab, lambda m: usage(m) == [0.0, 0.0], 20)
+        assert usage(metrics) == [0.0, 0.0], metrics
