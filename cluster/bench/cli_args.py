@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="shared-prefix: user turn tokens")
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--prefix-repetition-hot-fraction", type=float, default=0.0, metavar="F",
+                   help="shared-prefix: send this fraction of requests to prefix 0, the rest evenly over the "
+                   "others (in [0, 1); default 0: all prefixes even)")
     g.add_argument("--text-prompts", action="store_true", help="send completions prompts as text, not token ids")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the workload's output lengths (default on)")
@@ -103,7 +106,7 @@ def _config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-u
         input_len=dist(args.prefix_repetition_suffix_len if shared else args.random_input_len),
         output_len=dist(args.prefix_repetition_output_len if shared else args.random_output_len),
         num_prefixes=args.prefix_repetition_num_prefixes, prefix_len=args.prefix_repetition_prefix_len,
-        trace_path=args.dataset_path)
+        trace_path=args.dataset_path, hot_fraction=args.prefix_repetition_hot_fraction)
     num_prompts = args.num_prompts
     if num_prompts is None:
         num_prompts = None if args.dataset_name == "trace" else 100

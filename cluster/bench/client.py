@@ -2,7 +2,8 @@
 
 The first *text-bearing* chunk is the first token: a chat stream's opening role chunk and a
 final usage chunk carry no text and are not emissions. Token counts come from
-``stream_options.include_usage``; without it they fall back to the number of text chunks.
+``stream_options.include_usage``; without it they fall back to the number of text chunks. The
+same usage carries ``prompt_tokens_details.cached_tokens`` when the server reports prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def _chunk_text(data: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """``prompt_tokens_details.cached_tokens`` of a ``usage`` object (a streamed final chunk's or a
+    non-streamed response's: the same shape); None when absent, null or not a count (unknown, not 0)."""
+    details = usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt, record: RequestRecord,
                t0: float) -> RequestRecord:
     """Stream one request, filling ``record`` (whose ``t_scheduled``/``t_ready`` the caller set).
@@ -111,6 +122,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt, re
     if usage is not None:
         record.output_tokens = int(usage.get("completion_tokens") or 0)
         record.prompt_len = int(usage.get("prompt_tokens") or record.prompt_len)
+        record.cached_tokens = cached_tokens(usage)
     else:
         record.output_tokens = chunks
     record.ok = chunks > 0

@@ -3,7 +3,8 @@
 Raw asyncio HTTP/1.1 on 127.0.0.1 in a background thread: ``GET /v1/models`` and streamed
 ``POST /v1/completions`` / ``/v1/chat/completions``. Each response sends its headers (and, for
 chat, the role chunk) at once, then ``max_tokens`` one-token chunks: the first ``ttft_s`` after
-the request arrived, the rest ``itl_s`` apart, then a usage chunk and ``[DONE]``. A *stall*
+the request arrived, the rest ``itl_s`` apart, then a usage chunk and ``[DONE]``. A body with
+``"stream": false`` gets one JSON response, with usage, when its last token is due. A *stall*
 (triggered by the ``stall_at``-th request, 0-based) holds every emission for ``stall_s``
 seconds, like a GC pause or a preempted host.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -26,7 +28,9 @@ from typing import Any
 class FakeServerConfig:
     """Injected behaviour. ``ttft_for(i)`` overrides ``ttft_s`` for the i-th request (arrival order);
     every ``fail_every``-th request (1-based) gets HTTP 500; ``capacity`` > 0 serves at most that
-    many streams at once, the rest queueing (so latency grows with load past saturation)."""
+    many streams at once, the rest queueing (so latency grows with load past saturation).
+    ``cached_tokens_for(i, prompt_tokens)`` gives the i-th request's usage
+    ``prompt_tokens_details.cached_tokens``; None (the default, or returned) leaves the details out."""
 
     ttft_s: float = 0.2
     itl_s: float = 0.05
@@ -36,6 +40,7 @@ class FakeServerConfig:
     fail_every: int = 0
     capacity: int = 0
     model: str = "fake-model"
+    cached_tokens_for: Callable[[int, int], int | None] | None = None
 
 
 @dataclass
@@ -115,6 +120,9 @@ class FakeOpenAIServer:
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
                          + f"Connection: close\r\nContent-Length: {len(msg)}\r\n\r\n{msg}".encode())
             return
+        if body.get("stream") is False:  # only when asked: a body without "stream" is streamed, as before
+            await self._whole(body, chat, arrived, index, writer)
+            return
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
         base = {"id": f"fake-{index}", "model": cfg.model, "created": int(time.time())}
         if chat:
@@ -144,12 +152,37 @@ class FakeOpenAIServer:
             choice["finish_reason"] = "length" if last else None
             writer.write(_sse({**base, "choices": [choice]}))
             await writer.drain()
+        if (body.get("stream_options") or {}).get("include_usage"):
+            writer.write(_sse({**base, "choices": [], "usage": self._usage(body, index, n)}))
+        writer.write(b"data: [DONE]\n\n")
+
+    def _usage(self, body: dict[str, Any], index: int, n_out: int) -> dict[str, Any]:
         prompt = body.get("prompt", "")
         n_in = len(prompt) if isinstance(prompt, list) else len(str(prompt or body.get("messages", "")).split())
-        if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n}
-            writer.write(_sse({**base, "choices": [], "usage": usage}))
-        writer.write(b"data: [DONE]\n\n")
+        usage: dict[str, Any] = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        cached = self.config.cached_tokens_for(index, n_in) if self.config.cached_tokens_for else None
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    async def _whole(self, body: dict[str, Any], chat: bool, arrived: float, index: int,
+                     writer: asyncio.StreamWriter) -> None:
+        """A non-streamed response, sent when a stream's last token would have been (``capacity`` applies)."""
+        cfg = self.config
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        ttft = cfg.ttft_for(index) if cfg.ttft_for is not None else cfg.ttft_s
+        async with self._slots or contextlib.nullcontext():
+            start = arrived if self._slots is None else time.perf_counter()
+            await self._sleep_until(start + ttft + (n - 1) * cfg.itl_s)
+        text = " tok" * n
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                                  else {"index": 0, "text": text})
+        choice["finish_reason"] = "length"
+        payload = json.dumps({"id": f"fake-{index}", "object": "chat.completion" if chat else "text_completion",
+                              "model": cfg.model, "created": int(time.time()), "choices": [choice],
+                              "usage": self._usage(body, index, n)})
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(payload)}\r\n\r\n{payload}".encode())
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()

@@ -25,6 +25,8 @@ class RequestRecord:
 
     A chunk may carry several tokens (a server holds text back across incomplete UTF-8 or stop
     strings), so ITLs are per chunk while TPOT divides by the token count the server reports.
+    ``cached_tokens`` is the server's ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
+    served from its prefix cache); None when it did not say, which is unknown, not zero.
     """
 
     index: int
@@ -36,6 +38,7 @@ class RequestRecord:
     t_end: float = math.nan
     emit_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int | None = None
     ok: bool = False
     status: int = 0
     error: str = ""
@@ -124,12 +127,23 @@ def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> 
     return out
 
 
+def prefix_hit_rate(records: list[RequestRecord]) -> tuple[float | None, int]:
+    """sum(cached_tokens) / sum(prompt_len) over the successful requests that reported cached
+    tokens, and how many did; None (and 0) when none did."""
+    reported = [r for r in records if r.ok and r.cached_tokens is not None]
+    prompt = sum(r.prompt_len for r in reported)
+    if not reported or prompt <= 0:
+        return None, len(reported)
+    return sum(r.cached_tokens or 0 for r in reported) / prompt, len(reported)
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None = None,
               percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> dict[str, Any]:
     """The run summary under vLLM's key names, plus Baton's extras.
 
     Throughputs and goodput are rates over ``duration_s``; ``slo_attainment`` is the ratio of
-    requests meeting every SLO to all requests, failed ones counting as misses.
+    requests meeting every SLO to all requests, failed ones counting as misses; ``prefix_hit_rate``
+    is the client's view of the server's prefix cache (see :func:`prefix_hit_rate`).
     """
     done = [r for r in records if r.ok]
     duration = max(duration_s, 1e-9)
@@ -145,6 +159,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
         "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
     }
+    out["prefix_hit_rate"], out["cached_tokens_reported"] = prefix_hit_rate(records)
     if slo is not None:
         good = sum(slo.met_by(r) for r in records)
         out["request_goodput"] = good / duration

@@ -19,8 +19,8 @@ def _finite(v: float) -> float | str:
 
 def _record_dict(r: RequestRecord) -> dict[str, Any]:
     return {"index": r.index, "ok": r.ok, "status": r.status, "error": r.error, "prompt_len": r.prompt_len,
-            "output_len": r.output_tokens, "scheduled_s": r.t_scheduled, "sent_s": r.t_sent,
-            "ttft_s": r.ttft, "tpot_s": r.tpot, "e2el_s": r.e2el}
+            "output_len": r.output_tokens, "cached_tokens": r.cached_tokens, "scheduled_s": r.t_scheduled,
+            "sent_s": r.t_sent, "ttft_s": r.ttft, "tpot_s": r.tpot, "e2el_s": r.e2el}
 
 
 def result_json(res: BenchResult) -> dict[str, Any]:
@@ -78,6 +78,7 @@ def markdown(res: BenchResult) -> str:
              f"- completed {s['completed']}, failed {s['failed']}, duration {s['duration']:.2f} s",
              f"- request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:.1f} tok/s,"
              f" total {s['total_token_throughput']:.1f} tok/s"]
+    lines.append(_hit_rate_line(s))
     if "request_goodput" in s:
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput_slo"].items())
         lines.append(f"- goodput {s['request_goodput']:.2f} req/s, "
@@ -96,6 +97,14 @@ def markdown(res: BenchResult) -> str:
         vals = [s[f"mean_{m}_ms"], *(s[f"{p}_{m}_ms"] for p in pcols), s[f"max_{m}_ms"]]
         lines.append(f"| {_LABELS[m]} | " + " | ".join(f"{v:.1f}" for v in vals) + f" | {s[f'{m}_samples']} |")
     return "\n".join(lines) + "\n"
+
+
+def _hit_rate_line(s: dict[str, Any]) -> str:
+    rate, n = s.get("prefix_hit_rate"), s.get("cached_tokens_reported", 0)
+    if rate is None:
+        return "- prefix cache hit rate unknown: no response reported usage.prompt_tokens_details.cached_tokens"
+    return (f"- prefix cache hit rate {rate:.1%} of prompt tokens "
+            f"(cached tokens reported by {n} of {s['completed']} completed requests)")
 
 
 def pyplot() -> Any:

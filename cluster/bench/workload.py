@@ -75,16 +75,32 @@ def random_workload(n: int, input_len: LengthDist, output_len: LengthDist, seed:
 
 
 def shared_prefix_workload(n: int, num_prefixes: int, prefix_len: int, suffix_len: LengthDist,
-                           output_len: LengthDist, seed: int = 0) -> list[RequestSpec]:
-    """``n`` requests spread evenly over ``num_prefixes`` system prompts of ``prefix_len`` tokens
-    (N prefixes x about n/N user turns each), each turn a fresh suffix, in shuffled order."""
+                           output_len: LengthDist, seed: int = 0, hot_fraction: float = 0.0) -> list[RequestSpec]:
+    """``n`` requests over ``num_prefixes`` system prompts of ``prefix_len`` tokens, each turn a
+    fresh suffix, in shuffled order. ``hot_fraction`` 0 spreads them evenly (N prefixes x about n/N
+    turns); F > 0 gives ``round(F*n)`` to group 0 (the hot prefix) and spreads the rest evenly over
+    groups 1..N-1, so it needs N >= 2."""
     if num_prefixes < 1 or prefix_len < 1:
         raise WorkloadError("a shared-prefix workload needs at least one prefix of at least one token")
+    _check_hot_fraction(hot_fraction, num_prefixes)
     rng = np.random.default_rng(seed)
-    groups = rng.permutation(np.arange(n) % num_prefixes)
+    if hot_fraction > 0:
+        n_hot = min(n, math.floor(hot_fraction * n + 0.5))  # half up, not Python's half-to-even
+        labels = np.concatenate([np.zeros(n_hot, dtype=int), 1 + np.arange(n - n_hot) % (num_prefixes - 1)])
+    else:
+        labels = np.arange(n) % num_prefixes
+    groups = rng.permutation(labels)
     sufs, outs = suffix_len.sample(rng, n), output_len.sample(rng, n)
     return [RequestSpec(prompt_len=prefix_len + s, output_len=o, prefix_group=int(g), prefix_len=prefix_len)
             for g, s, o in zip(groups, sufs, outs)]
+
+
+def _check_hot_fraction(hot_fraction: float, num_prefixes: int) -> None:
+    if not 0.0 <= hot_fraction < 1.0:
+        raise WorkloadError(f"--prefix-repetition-hot-fraction must be in [0, 1), got {hot_fraction}")
+    if hot_fraction > 0 and num_prefixes < 2:
+        raise WorkloadError(f"--prefix-repetition-hot-fraction {hot_fraction:g} needs at least 2 prefixes "
+                            f"(one hot, the rest cold), got --prefix-repetition-num-prefixes {num_prefixes}")
 
 
 _TIME_KEYS = ("timestamp", "arrival_time")
@@ -142,8 +158,9 @@ def load_trace(path: str | Path) -> list[RequestSpec]:
 @dataclass(frozen=True)
 class WorkloadConfig:
     """Which workload to build: ``random`` (independent lengths), ``shared-prefix`` (``num_prefixes``
-    system prompts of ``prefix_len`` tokens, each request adding an ``input_len`` suffix) or
-    ``trace`` (``trace_path``, a JSONL file; see :func:`load_trace`)."""
+    system prompts of ``prefix_len`` tokens, each request adding an ``input_len`` suffix; a
+    ``hot_fraction`` of them on prefix 0, see :func:`shared_prefix_workload`) or ``trace``
+    (``trace_path``, a JSONL file; see :func:`load_trace`). The hot fraction is checked here."""
 
     name: str = "random"
     input_len: LengthDist = LengthDist(1024)
@@ -151,6 +168,12 @@ class WorkloadConfig:
     num_prefixes: int = 4
     prefix_len: int = 256
     trace_path: str | None = None
+    hot_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.hot_fraction and self.name != "shared-prefix":
+            raise WorkloadError("--prefix-repetition-hot-fraction applies to --dataset-name shared-prefix only")
+        _check_hot_fraction(self.hot_fraction, self.num_prefixes)
 
     def build(self, n: int | None, seed: int) -> list[RequestSpec]:
         """The measured requests: ``n`` of them (a trace's first ``n``; all of it when None)."""
@@ -165,7 +188,7 @@ class WorkloadConfig:
             return random_workload(n, self.input_len, self.output_len, seed)
         if self.name == "shared-prefix":
             return shared_prefix_workload(n, self.num_prefixes, self.prefix_len, self.input_len,
-                                          self.output_len, seed)
+                                          self.output_len, seed, self.hot_fraction)
         raise WorkloadError(f"unknown dataset {self.name!r}: use random, shared-prefix or trace")
 
     def warmups(self, n: int, seed: int) -> list[RequestSpec]:
