@@ -79,6 +79,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
+        "router.policy": args.routing_policy,
     })
     return serve(config)
 
@@ -206,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads-per-worker", type=_threads_arg, default=None,
                      help="threads per worker, or auto (default): fill the cores each worker is given")
     srv.add_argument("--address", default=None, help="Ray address to join ('auto' for a running cluster)")
+    srv.add_argument("--routing-policy", default=None, metavar="NAME",
+                     help="how requests pick workers: cost (default), prefix, least_loaded, round_robin")
     srv.set_defaults(func=_cmd_serve)
 
     conv = sub.add_parser("convert", help="convert a GGUF (default: the embedded model) to a HF folder, "

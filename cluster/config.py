@@ -97,6 +97,39 @@ class ServerSection(BaseModel):
     num_frontends: int = Field(1, ge=1, description="HTTP front replicas (Ray actors) sharing the port")
 
 
+class RouterSection(BaseModel):
+    """How the fronts pick workers (``router.routing``) and keep their prefix index."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str = Field("cost", description="a routing policy's name: cost, prefix, least_loaded, round_robin")
+    conditional_disaggregation: bool = Field(
+        True, description="cost: prefill a short uncached prompt on its decode worker when shipping "
+        "its KV would cost more than it saves")
+    stall_weight: float = Field(1.0, ge=0, description="cost: weight of the delay a prefill inflicts on "
+                                "the sequences decoding on the same worker")
+    events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
+    index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
+                               "its index entries expire")
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        from router.routing import policy_names
+
+        if value not in policy_names():
+            raise ValueError(f"unknown routing policy {value!r}; known: {', '.join(policy_names())}")
+        return value
+
+    def make_policy(self) -> Any:
+        """The configured policy object (its options from this section where it takes them)."""
+        from router.routing import make_policy
+
+        if self.policy == "cost":
+            return make_policy("cost", stall_weight=self.stall_weight,
+                               conditional_disaggregation=self.conditional_disaggregation)
+        return make_policy(self.policy)
+
+
 class RaySection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str | None = None  # None: start a local Ray instance; "auto": join a cluster
@@ -104,13 +137,14 @@ class RaySection(BaseModel):
 
 
 class ClusterConfig(BaseModel):
-    """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[ray]``."""
+    """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[router]``, ``[ray]``."""
 
     model_config = ConfigDict(extra="forbid")
     engine: EngineSection = EngineSection()
     pools: PoolsSection = PoolsSection()
     kv_transfer: KVTransferSection = KVTransferSection()
     server: ServerSection = ServerSection()
+    router: RouterSection = RouterSection()
     ray: RaySection = RaySection()
 
     @property

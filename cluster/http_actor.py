@@ -20,7 +20,8 @@ class HTTPFront:
 
     def __init__(self, workers: list[dict[str, Any]], limits: dict[str, int], model_path: str,
                  model_name: str, host: str, port: int, max_queued: int, controller: Any = None,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, routing: dict[str, Any] | None = None) -> None:
+        from cluster.config import RouterSection
         from router.api import build_app
         from router.server import ServerThread
         from workers.text.tokenizer import Tokenizer
@@ -28,9 +29,11 @@ class HTTPFront:
         refs = [WorkerRef(w["worker_id"], w["role"], w["handle"], w["info"]) for w in workers]
         self.metrics = Metrics(model_name)
         metrics = self.metrics
+        router = RouterSection.model_validate(routing or {})
         self.pool = PoolClient(refs, RequestLimits(**limits), max_queued=max_queued,
-                               on_stats=metrics.on_worker_stats,
-                               controller=controller)
+                               on_stats=metrics.on_worker_stats, controller=controller, metrics=metrics,
+                               policy=router.make_policy(), events_interval_s=router.events_interval_s,
+                               index_ttl_s=router.index_ttl_s, sole_front=not reuse_port)
         tokenizer = Tokenizer.from_folder(model_path)
         app = build_app(MeteredClient(self.pool, metrics), tokenizer, model_name, limits["max_model_len"],
                         ready=self.pool.ready, metrics_registry=metrics.registry,
@@ -46,7 +49,8 @@ class HTTPFront:
         self.server.stop()
 
 
-def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str, max_queued: int) -> list[Any]:
+def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str, max_queued: int,
+                 routing: dict[str, Any] | None = None) -> list[Any]:
     """Start ``count`` HTTPFront actors on ``host:port`` and wait until each accepts connections."""
     import ray
 
@@ -60,7 +64,7 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=4, scheduling_strategy=here)
     fronts = [actor.remote(workers, limits, str(cluster.model_path), model_name, host, port, max_queued,
-                           cluster.controller, count > 1) for _ in range(count)]
+                           cluster.controller, count > 1, routing) for _ in range(count)]
     ray.get([f.url.remote() for f in fronts])
     return fronts
 

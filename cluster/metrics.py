@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
+_ERROR_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -77,6 +80,35 @@ class Metrics:
         self.core_wait = Counter("baton:core_wait_seconds", "Seconds the worker's steps waited for their "
                                  "turn at cores it shares with co-located workers", w, registry=r)
         self.worker_up = Gauge("baton:worker_up", "1 while the worker answers health checks", w, registry=r)
+        # The router: what it decided, why, and how far its cost model was off.
+        self.router_decisions = Counter("baton:router_decisions", "Routing decisions by policy and reason",
+                                        ["policy", "reason"], registry=r)
+        self.router_prefix_match = Histogram("baton:router_prefix_match_tokens", "Prompt tokens the chosen "
+                                             "worker holds according to the prefix index", ["policy"],
+                                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.router_prefix_match_ratio = Histogram("baton:router_prefix_match_ratio", "Fraction of the prompt "
+                                                   "the chosen worker holds", ["policy"],
+                                                   buckets=_RATIO_BUCKETS, registry=r)
+        self.router_ttft_estimated = Histogram("baton:router_estimated_ttft_seconds", "The cost model's "
+                                               "TTFT estimate per decision", ["policy"],
+                                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.router_ttft_measured = Histogram("baton:router_measured_ttft_seconds", "Measured TTFT of the "
+                                              "same decisions (arrival to first token at this front)",
+                                              ["policy"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.router_ttft_ratio = Histogram("baton:router_ttft_estimate_ratio", "Measured / estimated TTFT "
+                                           "per decision (1 = the cost model was exact)", ["policy"],
+                                           buckets=_ERROR_RATIO_BUCKETS, registry=r)
+        self.router_index_blocks = Gauge("baton:router_index_blocks", "Prefix-cache blocks the router's "
+                                         "index holds for the worker", w, registry=r)
+        self.router_index_lag = Gauge("baton:router_index_lag_seconds", "Seconds since the worker's KV "
+                                      "events last reached the router", w, registry=r)
+        self.router_index_stale = Gauge("baton:router_index_stale", "1 while the router has no fresh KV "
+                                        "events from the worker and routes as if it cached nothing", w,
+                                        registry=r)
+        self.router_index_resyncs = Counter("baton:router_index_resyncs", "Full resyncs of the router's "
+                                            "index from a worker, by reason (epoch: first sync or a "
+                                            "restarted worker; gap: events lost)", ["worker", "reason"],
+                                            registry=r)
         self._counters: dict[tuple[str, str], _WorkerCounters] = {}
 
     def observe_request(self, arrival: float, first_token: float | None, token_times: list[float],
@@ -129,3 +161,25 @@ class Metrics:
             self.kv_transfer_bytes.labels(role, worker).inc(c.delta("b", transfer.get("bytes", 0)))
             for seconds in transfer.get("recent_seconds", []):
                 self.kv_transfer_seconds.labels(role, worker).observe(seconds)
+
+    def observe_route(self, policy: str, reason: str, matched_tokens: int, prompt_tokens: int) -> None:
+        """One routing decision (``PoolClient``'s ``metrics`` hook)."""
+        self.router_decisions.labels(policy, reason).inc()
+        self.router_prefix_match.labels(policy).observe(matched_tokens)
+        self.router_prefix_match_ratio.labels(policy).observe(matched_tokens / max(prompt_tokens, 1))
+
+    def observe_route_ttft(self, policy: str, estimated: float | None, measured: float) -> None:
+        """The cost model's TTFT estimate for a decision beside the TTFT it got."""
+        self.router_ttft_measured.labels(policy).observe(measured)
+        if estimated is not None and estimated > 0:
+            self.router_ttft_estimated.labels(policy).observe(estimated)
+            self.router_ttft_ratio.labels(policy).observe(measured / estimated)
+
+    def observe_index(self, role: str, worker: str, blocks: int, lag_s: float | None, stale: bool) -> None:
+        self.router_index_blocks.labels(role, worker).set(blocks)
+        if lag_s is not None:
+            self.router_index_lag.labels(role, worker).set(lag_s)
+        self.router_index_stale.labels(role, worker).set(1.0 if stale else 0.0)
+
+    def observe_index_resync(self, worker: str, reason: str) -> None:
+        self.router_index_resyncs.labels(worker, reason).inc()

@@ -18,9 +18,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.routing import RoutingPolicy, WorkerLoad, make_policy
+from router.prefix_index import PrefixIndex
+from router.routing import Candidates, Decision, RouteRequest, RoutingPolicy, WorkerLoad, make_policy
+from router.routing.cost_model import CostModel
 from workers.actor.messages import decode_deltas, params_to_dict
 from workers.actor.output_stream import FRAME, frame
+from workers.blocks.prefix_hash import CacheNamespace, block_hashes
 from workers.engine.outputs import TokenDelta
 from workers.engine.validation import RequestLimits
 from workers.errors import InvalidRequestError, OverloadedError
@@ -54,6 +57,11 @@ class _Stream:
 class PoolClient:
     """Routes requests over prefill/decode (or colocated) workers and streams their deltas back.
 
+    Routing: a policy chosen by name (``router.routing``) sees each live worker's load and how much
+    of the prompt it holds according to the prefix index, which this front keeps in step with every
+    worker's KV events (pulled every ``events_interval_s``). ``metrics`` (optional) records each
+    decision, the cost model's TTFT estimate against the measured one, and the index's state.
+
     Backpressure: when a reader falls ``high_water`` deltas behind, its request is paused on the
     workers (descheduled, KV kept) and resumed once the backlog drains below ``low_water``, so a
     slow client costs memory for at most ``high_water`` deltas and no compute.
@@ -63,12 +71,22 @@ class PoolClient:
     low_water = 8
 
     def __init__(self, workers: list[WorkerRef], limits: RequestLimits, max_queued: int = 512,
-                 policy: RoutingPolicy | None = None, on_stats: Any = None, controller: Any = None) -> None:
+                 policy: RoutingPolicy | str = "cost", on_stats: Any = None, controller: Any = None,
+                 metrics: Any = None, events_interval_s: float = 0.25, index_ttl_s: float = 10.0,
+                 sole_front: bool = True) -> None:
         self.workers = {w.worker_id: w for w in workers}
+        for w in workers:
+            w.load.sole_front = sole_front
         self.limits = limits
         self.max_queued = max_queued
-        self.policy = policy or make_policy("least_loaded")
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.on_stats = on_stats
+        self.metrics = metrics
+        self.index = PrefixIndex(ttl_s=index_ttl_s)
+        self.events_interval_s = events_interval_s
+        self._estimator = CostModel()  # TTFT estimates for policies that do not make their own
+        self._namespace, self._block_size, self._kv_block_bytes = self._cache_layout()
+        self._roots: dict[str | None, bytes] = {}
         self._streams: dict[str, _Stream] = {}  # by the caller's request id
         self._by_wire: dict[str, _Stream] = {}  # the same streams, by wire id (deltas carry it)
         self._attempts = 0
@@ -90,6 +108,8 @@ class PoolClient:
             loop = self._read_loop(w, reader) if reader is not None else self._poll_loop(w)
             self._tasks.append(asyncio.create_task(loop))
         self._tasks.append(asyncio.create_task(self._stats_loop(stats_interval_s)))
+        if self._namespace is not None:
+            self._tasks.append(asyncio.create_task(self._events_loop()))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -114,7 +134,8 @@ class PoolClient:
         if self._overloaded:
             raise OverloadedError("the cluster's queues are full", retry_after_s=2.0)
         arrival = arrival_time or time.monotonic()
-        first, decode = self._route(prompt_token_ids)
+        decision = self._route(prompt_token_ids, cache_salt, params)
+        first, decode = decision.first, decision.decode
         # Workers remember aborted ids for a while (a late add or KV must not run), and an abort
         # may land after a later request that reuses the id: so each attempt gets its own id.
         self._attempts += 1
@@ -124,6 +145,10 @@ class PoolClient:
         self._streams[request_id] = stream
         self._by_wire[wire_id] = stream
         first.load.outstanding += 1
+        # What ``first`` has left to compute for this prompt, until its first token says it is done.
+        pending = len(prompt_token_ids) - decision.matched_blocks * (self._block_size or 0)
+        first.load.local_pending_prefill += pending
+        prefilling = True
         if decode is not None:
             decode.load.outstanding += 1
         done = False
@@ -137,6 +162,12 @@ class PoolClient:
                     raise delta
                 if stream.paused and stream.queue.qsize() <= self.low_water:
                     self._set_paused(stream, False)
+                if prefilling and (delta.token_ids or delta.finish_reason is not None):
+                    prefilling = False
+                    first.load.local_pending_prefill -= pending
+                    if delta.token_ids and self.metrics is not None:
+                        self.metrics.observe_route_ttft(self.policy.name, decision.estimated_ttft_s,
+                                                        time.monotonic() - arrival)
                 delta.request_id = request_id
                 yield delta
                 if delta.finish_reason is not None:
@@ -148,6 +179,8 @@ class PoolClient:
             self._streams.pop(request_id, None)
             self._by_wire.pop(wire_id, None)
             first.load.outstanding -= 1
+            if prefilling:
+                first.load.local_pending_prefill -= pending
             if decode is not None:
                 decode.load.outstanding -= 1
             if not done:
@@ -178,18 +211,57 @@ class PoolClient:
         return "colocated" in roles or {"prefill", "decode"} <= roles
 
     # ------------------------------------------------------------------ internals
-    def _route(self, prompt_token_ids: list[int]) -> tuple[WorkerRef, WorkerRef | None]:
+    def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams) -> Decision:
         alive = [w for w in self.workers.values() if w.alive]
         if self.colocated:
-            pool = [w for w in alive if w.role == "colocated"]
-            if not pool:
+            first, decode = [w for w in alive if w.role == "colocated"], []
+            if not first:
                 raise OverloadedError("no colocated worker is alive", retry_after_s=5.0)
-            return self.policy.choose(pool, prompt_token_ids), None
-        prefill = [w for w in alive if w.role == "prefill"]
-        decode = [w for w in alive if w.role == "decode"]
-        if not prefill or not decode:
-            raise OverloadedError("a pool has no live worker", retry_after_s=5.0)
-        return self.policy.choose(prefill, prompt_token_ids), self.policy.choose_decode(decode)
+        else:
+            first = [w for w in alive if w.role == "prefill"]
+            decode = [w for w in alive if w.role == "decode"]
+            if not first or not decode:
+                raise OverloadedError("a pool has no live worker", retry_after_s=5.0)
+        hashes = self._prompt_hashes(prompt_token_ids, salt)
+        now = time.monotonic()
+        matched = self.index.match([w.worker_id for w in alive], hashes, now) if hashes else {}
+        stale = {w.worker_id for w in alive if self.index.is_stale(w.worker_id)}
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.limits.max_model_len
+        request = RouteRequest(len(prompt_token_ids), hashes, self._block_size or 16,
+                               max(min(max_tokens, self.limits.max_model_len - len(prompt_token_ids)), 1) * params.n,
+                               self._kv_block_bytes)
+        decision = self.policy.route(request, Candidates(first, decode, matched, stale))
+        if decision.estimated_ttft_s is None:
+            decision.estimated_ttft_s = self._estimator.ttft_s(decision.first, request, decision.matched_blocks,
+                                                               alive)
+        # The chosen workers will hold these blocks in a moment: later requests sharing the prefix
+        # follow this one instead of waiting for the events that say so.
+        for w in (decision.first, decision.decode):
+            if w is not None and hashes:
+                self.index.predict(w.worker_id, hashes, now)
+        if self.metrics is not None:
+            self.metrics.observe_route(self.policy.name, decision.reason,
+                                       decision.matched_blocks * (self._block_size or 0), len(prompt_token_ids))
+        return decision
+
+    def _cache_layout(self) -> tuple[CacheNamespace | None, int, int]:
+        """The prefix-cache namespace, block size and block bytes the workers report (None: they do not)."""
+        for w in self.workers.values():
+            ns = w.info.get("cache_namespace")
+            if ns:
+                return CacheNamespace(**ns), int(ns["block_size"]), int(w.info.get("kv_block_bytes", 0))
+        return None, int(next(iter(self.workers.values())).info.get("block_size", 16)) if self.workers else 16, 0
+
+    def _prompt_hashes(self, prompt_token_ids: list[int], salt: str | None) -> list[bytes]:
+        """The chain hashes of the prompt's blocks a worker's cache could cover (never the last token)."""
+        if self._namespace is None:
+            return []
+        root = self._roots.get(salt)
+        if root is None:
+            if len(self._roots) > 1024:  # salts are per tenant or per client: keep the memo bounded
+                self._roots.clear()
+            root = self._roots[salt] = self._namespace.root_hash(salt)
+        return block_hashes(root, prompt_token_ids, self._block_size, stop=len(prompt_token_ids) - 1)
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
@@ -264,6 +336,7 @@ class PoolClient:
 
     def _mark_dead(self, w: WorkerRef, exc: BaseException) -> None:
         w.alive = False
+        self.index.remove(w.worker_id)
         if self.controller is not None:
             self.controller.mark_dead.remote(w.worker_id)
         for stream in list(self._streams.values()):
@@ -273,6 +346,36 @@ class PoolClient:
                     if ref is not None and ref.alive:
                         ref.handle.abort.remote(stream.wire_id)
                 stream.queue.put_nowait(RuntimeError(f"worker {w.worker_id} failed: {exc!r}"))
+
+    async def _events_loop(self) -> None:
+        """Keep the prefix index in step with every live worker's KV events."""
+        while True:
+            alive = [w for w in self.workers.values() if w.alive]
+            replies = await asyncio.gather(*(self._pull_events(w) for w in alive), return_exceptions=True)
+            now = time.monotonic()
+            for w, reply in zip(alive, replies):
+                if isinstance(reply, asyncio.CancelledError):
+                    raise reply
+                if isinstance(reply, BaseException) or reply is None:
+                    continue  # no answer this time: the entries age towards expiry
+                reason = self.index.apply(w.worker_id, reply, now)
+                if reason is not None:
+                    if reason != "epoch" or self.index.resyncs(w.worker_id) > 1:
+                        log.info("prefix index: %s resync from worker %s", reason, w.worker_id)
+                    if self.metrics is not None:
+                        self.metrics.observe_index_resync(w.worker_id, reason)
+            for wid in self.index.expire(now):
+                log.warning("prefix index: no KV events from worker %s for %.0fs: its entries expired",
+                            wid, self.index.ttl_s)
+            if self.metrics is not None:
+                for w in self.workers.values():
+                    self.metrics.observe_index(w.role, w.worker_id, self.index.size(w.worker_id),
+                                               self.index.lag_s(w.worker_id, now), self.index.is_stale(w.worker_id))
+            await asyncio.sleep(self.events_interval_s)
+
+    async def _pull_events(self, w: WorkerRef) -> Any:
+        epoch, seq = self.index.cursor(w.worker_id)
+        return await asyncio.wait_for(w.handle.kv_events.remote(epoch, seq), timeout=max(self.events_interval_s * 8, 2))
 
     async def _stats_loop(self, interval_s: float) -> None:
         while True:

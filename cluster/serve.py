@@ -38,7 +38,8 @@ class Deployment:
         self.pool = PoolClient(self.cluster.workers, self.cluster.limits,
                                max_queued=self.config.server.max_queued_requests,
                                on_stats=self.metrics.on_worker_stats,
-                               controller=self.cluster.controller)
+                               controller=self.cluster.controller, metrics=self.metrics,
+                               **pool_routing(self.config))
         tokenizer = Tokenizer.from_folder(self.cluster.model_path)
         self.app = build_app(MeteredClient(self.pool, self.metrics), tokenizer, model_name,
                              self.cluster.limits.max_model_len, ready=self.pool.ready,
@@ -70,7 +71,7 @@ def serve(config: ClusterConfig) -> int:
         host, port = config.server.host, config.server.port
         model_name = config.server.model_name or cluster.model_path.name
         fronts = start_fronts(cluster, config.server.num_frontends, host, port, model_name,
-                              config.server.max_queued_requests)
+                              config.server.max_queued_requests, routing=config.router.model_dump())
         mode = (f"{config.pools.colocated} colocated" if config.colocated
                 else f"{config.pools.prefill} prefill + {config.pools.decode} decode")
         print(f"Baton serving {model_name} ({mode} workers, {len(fronts)} HTTP front"
@@ -83,6 +84,12 @@ def serve(config: ClusterConfig) -> int:
         stop_fronts(fronts)
         cluster.stop()
     return 0
+
+
+def pool_routing(config: ClusterConfig) -> dict[str, Any]:
+    """``PoolClient`` keyword arguments from the ``[router]`` section."""
+    r = config.router
+    return {"policy": r.make_policy(), "events_interval_s": r.events_interval_s, "index_ttl_s": r.index_ttl_s}
 
 
 def reachable_host(host: str) -> str:

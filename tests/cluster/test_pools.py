@@ -12,9 +12,15 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from cluster.pool_client import PoolClient
+from router.routing import make_policy
 from workers import LLM, SamplingParams
 
 NUM_BLOCKS = 64
+
+
+def _hop():
+    """The default policy, never prefilling on a decode worker: these tests pin the KV hop."""
+    return make_policy("cost", conditional_disaggregation=False)
 
 
 def _config(model_dir, engine: dict | None = None, transport: str = "auto", **pools) -> ClusterConfig:
@@ -64,7 +70,7 @@ def _run(cluster: Cluster, jobs, streamed: bool = True):
         workers = cluster.workers if streamed else [
             dataclasses.replace(w, info={k: v for k, v in w.info.items() if k != "output_address"})
             for w in cluster.workers]
-        pool = PoolClient(workers, cluster.limits)
+        pool = PoolClient(workers, cluster.limits, policy=_hop())
         await pool.start(stats_interval_s=0.2)
         fronts = await asyncio.gather(*(w.handle.stats.remote() for w in cluster.workers))
         # every worker pushes this front's outputs down its socket, or none does
@@ -130,7 +136,7 @@ def test_32_streams_then_cancel_half_returns_every_block(disagg, tiny_model_dir)
     prompt = llm_tok.encode("The quick brown fox jumps over the lazy dog")
 
     async def main():
-        pool = PoolClient(disagg.workers, disagg.limits)
+        pool = PoolClient(disagg.workers, disagg.limits, policy=_hop())
         await pool.start(stats_interval_s=0.2)
 
         async def one(i: int) -> int:
@@ -164,7 +170,7 @@ def test_a_front_that_goes_away_without_aborting_frees_its_requests(disagg, tiny
     long = SamplingParams(temperature=0, max_tokens=disagg.limits.max_model_len - len(prompt) - 1, ignore_eos=True)
 
     async def main():
-        pool = PoolClient(disagg.workers, disagg.limits)
+        pool = PoolClient(disagg.workers, disagg.limits, policy=_hop())
         pool._abort_on_workers = lambda *a, **k: None  # it dies: no abort reaches any worker
         await pool.start(stats_interval_s=0.2)
         streams = [pool.generate(f"orphan{i}", prompt, long) for i in range(4)]
@@ -204,7 +210,7 @@ def test_a_request_id_is_refused_twice_at_once_and_reusable_right_after_an_abort
     expected = llm.generate([prompt], params)[0].outputs[0].token_ids
 
     async def main():
-        pool = PoolClient(disagg.workers, disagg.limits)
+        pool = PoolClient(disagg.workers, disagg.limits, policy=_hop())
         await pool.start(stats_interval_s=0.2)
         try:
             first = pool.generate("again", prompt, params)
@@ -254,7 +260,7 @@ def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir, 
     decode = next(w for w in cluster.workers if w.role == "decode")
 
     async def main():
-        pool = PoolClient(cluster.workers, cluster.limits)
+        pool = PoolClient(cluster.workers, cluster.limits, policy=_hop())
         await pool.start(stats_interval_s=0.2)
         got = 0
         try:
@@ -291,7 +297,7 @@ def test_slow_reader_pauses_generation_then_resumes_exactly(disagg, tiny_model_d
     decode = next(w for w in disagg.workers if w.role == "decode")
 
     async def main():
-        pool = PoolClient(disagg.workers, disagg.limits)
+        pool = PoolClient(disagg.workers, disagg.limits, policy=_hop())
         pool.high_water, pool.low_water = 8, 2
         await pool.start(stats_interval_s=0.2)
         toks: list[int] = []

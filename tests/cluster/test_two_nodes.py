@@ -98,6 +98,9 @@ def test_prefill_on_node_a_decode_on_node_b_over_gloo(lab, tiny_model_dir, tmp_p
         transport = "auto"
         timeout_s = {KV_TIMEOUT_S}
 
+        [router]
+        conditional_disaggregation = false  # every request's KV crosses the link
+
         [server]
         host = "{lab.addr_a}"
         port = {HTTP_PORT}

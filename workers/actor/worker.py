@@ -15,6 +15,7 @@ The class is plain Python; ``cluster.launcher`` wraps it with ``ray.remote``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from workers.actor.messages import encode_deltas, params_from_dict
 from workers.actor.output_stream import FrontConnection, OutputServer
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.model_runner import kv_cache_block_bytes
 from workers.engine.outputs import TokenDelta
 from workers.errors import BatonError
 from workers.kv.connector import (
@@ -40,6 +42,7 @@ from workers.kv.connector import (
     connector_order,
     make_connector,
 )
+from workers.kv.event_log import KVEventBatch
 from workers.kv.migration import MigrationMeta
 from workers.kv.shared import can_share
 from workers.kv.transfer import KVTransferEngine, KVTransferError
@@ -117,7 +120,14 @@ class Worker:
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
                 "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "node_id": node_id(),
-                "output_address": list(self._output.address)}
+                "output_address": list(self._output.address),
+                # Routers hash prompts with this to compare them against the cache events below.
+                "cache_namespace": dataclasses.asdict(c.block_manager.namespace),
+                "kv_block_bytes": kv_cache_block_bytes(c.model, c.config.block_size, c.model.dtype)}
+
+    def kv_events(self, epoch: str | None = None, seq: int = 0) -> KVEventBatch:
+        """Prefix-cache events after ``seq`` of ``epoch`` (a full resync when that cannot be answered)."""
+        return self.core.kv_events.since(epoch, seq)
 
     def set_peers(self, peers: dict[str, Any]) -> None:
         """Actor handles of the other workers, by worker id (for KV shipping)."""

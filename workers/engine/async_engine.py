@@ -45,6 +45,12 @@ class EngineStats:
     busy_seconds: float = 0.0
     num_prefill_tokens_computed: int = 0
     num_decode_tokens_computed: int = 0
+    prefill_seconds: float = 0.0  # step time attributed to prefill tokens
+    pending_prefill_tokens: int = 0  # prompt positions still to compute (waiting and running)
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    kv_events_epoch: str = ""
+    kv_events_seq: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -145,7 +151,8 @@ class AsyncEngine:
         return EngineStats(e.num_running, e.num_waiting, bm.usage, bm.num_free_blocks, bm.num_blocks,
                            bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions,
                            len(e.paused), e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
-                           e.num_decode_tokens_computed)
+                           e.num_decode_tokens_computed, e.prefill_seconds, e.pending_prefill_tokens,
+                           e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq)
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""

@@ -22,6 +22,7 @@ from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.swap import HostBlockPool
 from workers.engine.validation import RequestLimits
 from workers.errors import InvalidRequestError
+from workers.kv.event_log import KVEventLog
 from workers.kv.migration import KVMigrationMixin
 from workers.model.llama import LlamaForCausalLM
 from workers.sampling.params import SamplingParams
@@ -40,9 +41,10 @@ class EngineCore(KVMigrationMixin):
         self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, num_blocks, config.block_size)
+        self.kv_events = KVEventLog()  # what routers mirror of this engine's prefix cache
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
-                                          namespace=namespace)
+                                          namespace=namespace, event_sink=self.kv_events)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device,
                                   num_host_blocks=self._host_blocks(model, config),
                                   shared=config.kv_cache_shared)
@@ -59,6 +61,10 @@ class EngineCore(KVMigrationMixin):
         self.busy_seconds = 0.0
         self.num_prefill_tokens_computed = 0
         self.num_decode_tokens_computed = 0
+        self.prefill_seconds = 0.0  # step time attributed to prefill tokens (routers' prefill rate)
+        self.num_prefill_steps = 0  # steps with prefill tokens (a mixed step counts in both)
+        self.num_decode_steps = 0
+        self.pending_prefill_tokens = 0  # prompt positions still to compute, as of the last step
 
     @staticmethod
     def _host_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
@@ -89,6 +95,7 @@ class EngineCore(KVMigrationMixin):
         self.groups[request_id] = RequestGroup(request_id, [member_id], len(prompt_token_ids))
         self._members[member_id] = req
         self.scheduler.add_request(req)
+        self.pending_prefill_tokens += len(req.prompt_token_ids)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Every check that needs the model; raises InvalidRequestError with the OpenAI param name."""
@@ -158,10 +165,28 @@ class EngineCore(KVMigrationMixin):
         try:
             return self._run_step(out)
         finally:
+            elapsed = time.perf_counter() - started
+            prefill_tokens = out.num_batched_tokens - len(out.decodes)
             self.num_steps += 1
-            self.busy_seconds += time.perf_counter() - started
+            self.busy_seconds += elapsed
             self.num_decode_tokens_computed += len(out.decodes)
-            self.num_prefill_tokens_computed += out.num_batched_tokens - len(out.decodes)
+            self.num_prefill_tokens_computed += prefill_tokens
+            self.num_prefill_steps += bool(prefill_tokens)
+            self.num_decode_steps += bool(out.decodes)
+            if prefill_tokens:
+                # A mixed step's time is split by token share: a decode token costs about what a
+                # prefill token does in the matmuls, which dominate on every device we serve on.
+                self.prefill_seconds += elapsed * prefill_tokens / out.num_batched_tokens
+            self._count_pending_prefill()
+
+    def _count_pending_prefill(self) -> None:
+        # Counted here, on the engine thread, so stats() readers on other threads never walk queues
+        # that are changing under them.
+        pending = 0
+        for req in (*self.scheduler.waiting, *self.scheduler.running):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                pending += req.num_prompt_tokens - max(req.num_computed_tokens, 0)
+        self.pending_prefill_tokens = pending
 
     def _run_step(self, out: SchedulerOutput) -> list[TokenDelta]:
         sampling = [s.request for s in sampling_requests(out)]

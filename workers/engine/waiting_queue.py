@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Protocol
 
 from workers.engine.request import Request
@@ -16,6 +17,7 @@ class WaitingQueue(Protocol):
     def peek(self, now: float) -> Request: ...
     def remove(self, request: Request) -> None: ...
     def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
 
 
 class FCFSQueue:
@@ -41,6 +43,9 @@ class FCFSQueue:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
 
 
 class PriorityAgingQueue:
@@ -73,6 +78,9 @@ class PriorityAgingQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
 
 
 def make_waiting_queue(policy: str, aging_seconds: float) -> WaitingQueue:

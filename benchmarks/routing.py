@@ -1,0 +1,210 @@
+"""Routing policies side by side: the same arrivals through each policy on the same four workers.
+
+For each layout (2 prefill + 2 decode, 4 colocated) and each workload (``shared-prefix``: N system
+prompts x user turns; ``skewed``: the same with one hot prefix taking a fraction of the traffic),
+every policy gets a fresh deployment of the default model (empty caches), then the same requests
+at the same Poisson arrival times (``baton bench``'s runner, same seed). Reported per run: TTFT
+p50/p99, TPOT, output throughput, the prefix-cache hit rate the server reported
+(``cached_tokens``), goodput at the SLO, and the router's own view (decisions by reason, the
+median of measured/estimated TTFT).
+
+    .venv/bin/python benchmarks/routing.py --out benchmarks/results/routing.json
+
+Four workers share this machine's cores through the core-sharing board (``openmp_wait = auto``
+picks ``share`` where the workers' threads outnumber the cores), as in every local deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+POLICIES = ("round_robin", "least_loaded", "prefix", "cost")
+LAYOUTS = {"2P+2D": {"prefill": 2, "decode": 2}, "4 colocated": {"colocated": 4}}
+
+
+def _router_view(registry: Any, policy: str) -> dict[str, Any]:
+    """Decisions by reason and the cost model's error, from the deployment's own metrics."""
+    reasons: dict[str, float] = {}
+    ratio_buckets: list[tuple[float, float]] = []
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == "baton:router_decisions_total" and s.labels.get("policy") == policy:
+                reasons[s.labels["reason"]] = s.value
+            if s.name == "baton:router_ttft_estimate_ratio_bucket" and s.labels.get("policy") == policy:
+                ratio_buckets.append((float(s.labels["le"]), s.value))
+    median = None
+    if ratio_buckets:
+        ratio_buckets.sort()
+        total = ratio_buckets[-1][1]
+        for le, count in ratio_buckets:
+            if total and count >= total / 2:
+                median = le  # the bucket bound the median falls under
+                break
+    return {"decisions": reasons, "ttft_measured_over_estimated_median_le": median}
+
+
+def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -> dict[str, Any]:
+    from cluster.bench.metrics import SLO
+    from cluster.bench.runner import BenchConfig, run_async
+    from cluster.bench.workload import LengthDist, WorkloadConfig
+    from cluster.config import ClusterConfig
+    from cluster.serve import Deployment
+    from router.server import ServerThread
+
+    config = ClusterConfig.model_validate({
+        "engine": {"dtype": args.dtype, "threads_per_worker": args.threads_per_worker,
+                   "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_batched_tokens": 1024},
+        "pools": LAYOUTS[layout], "router": {"policy": policy}, "ray": {"num_cpus": os.cpu_count()},
+    })
+    wl = WorkloadConfig(name="shared-prefix", input_len=LengthDist(args.suffix_len),
+                        output_len=LengthDist(args.output_len), num_prefixes=args.num_prefixes,
+                        prefix_len=args.prefix_len, hot_fraction=args.hot_fraction if workload == "skewed" else 0.0)
+    started = time.monotonic()
+    dep = Deployment(config).start()
+    server = ServerThread(dep.app).start()
+    try:
+        # Ready means every worker answered; the first stats let the router measure rates.
+        deadline = time.monotonic() + 120
+        while not dep.pool.ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cfg = BenchConfig(base_url=server.url, tokenizer_source=str(dep.cluster.model_path), workload=wl,
+                          num_prompts=args.num_prompts, request_rate=args.request_rate, seed=args.seed,
+                          slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), num_warmups=0,
+                          disable_tqdm=True, request_timeout_s=args.request_timeout)
+        res = asyncio.run(asyncio.wait_for(run_async(cfg), args.run_timeout))
+        s = res.summary
+        keys = ("completed", "failed", "duration", "output_throughput", "request_throughput",
+                "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                "prefix_hit_rate", "cached_tokens_reported", "request_goodput", "slo_attainment")
+        out = {k: s.get(k) for k in keys}
+        out.update(_router_view(dep.metrics.registry, policy))
+        out["wall_s"] = time.monotonic() - started
+        return out
+    finally:
+        server.stop()
+        dep.stop()
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets: cost's p99 TTFT against least_loaded's (shared-prefix) and prefix's (skewed),
+    and cost's throughput against the best of the others, per layout."""
+    by = {(r["layout"], r["workload"], r["policy"]): r for r in results if "error" not in r}
+    out = {}
+    for layout in LAYOUTS:
+        row = {}
+        for workload in ("shared-prefix", "skewed"):
+            cost = by.get((layout, workload, "cost"))
+            if cost is None:
+                continue
+            others = [by[(layout, workload, p)] for p in POLICIES if p != "cost" and (layout, workload, p) in by]
+            best_tp = max((o["output_throughput"] or 0 for o in others), default=None)
+            ll, px = by.get((layout, workload, "least_loaded")), by.get((layout, workload, "prefix"))
+            row[workload] = {
+                "p99_ttft_least_loaded_over_cost": _ratio(ll and ll["p99_ttft_ms"], cost["p99_ttft_ms"]),
+                "p99_ttft_prefix_over_cost": _ratio(px and px["p99_ttft_ms"], cost["p99_ttft_ms"]),
+                "throughput_cost_over_best_other": _ratio(cost["output_throughput"], best_tp),
+            }
+        out[layout] = row
+    return out
+
+
+def markdown(results: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace) -> str:
+    def f(v: Any, d: int = 0) -> str:
+        return "-" if v is None else f"{v:.{d}f}"
+
+    lines = ["| layout | workload | policy | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | out tok/s | hit rate | "
+             f"goodput req/s (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms) | decisions |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | failed: {r['error']} |||||||")
+            continue
+        reasons = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["decisions"].items()))
+        lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | {f(r['median_ttft_ms'])} | "
+                     f"{f(r['p99_ttft_ms'])} | {f(r['median_tpot_ms'])} | {f(r['output_throughput'], 1)} | "
+                     f"{f(r['prefix_hit_rate'] and 100 * r['prefix_hit_rate'])}% | {f(r['request_goodput'], 2)} | "
+                     f"{reasons} |")
+    lines.append("")
+    for layout, row in summary.items():
+        for workload, ratios in row.items():
+            lines.append(f"- {layout}, {workload}: " + ", ".join(f"{k} {f(v, 2)}" for k, v in ratios.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--workloads", default="shared-prefix,skewed")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prefixes", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--hot-fraction", type=float, default=0.7)
+    ap.add_argument("--request-rate", type=float, default=1.0, help="req/s, Poisson (inf: all at once)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads-per-worker", type=int, default=1)
+    ap.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=300.0)
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--run-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None, help="JSON path (a .md beside it)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    results = []
+    for layout in args.layouts.split(","):
+        for workload in args.workloads.split(","):
+            for policy in args.policies.split(","):
+                print(f"routing: {layout} / {workload} / {policy}", file=sys.stderr, flush=True)
+                row = {"layout": layout, "workload": workload, "policy": policy}
+                try:
+                    row.update(run_one(args, layout, policy, workload))
+                except Exception as exc:  # one failed run must not lose the others
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                results.append(row)
+    summary = summarize(results)
+    doc = {"date": date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
+           "cpu_model": _cpu_model(), "cores": os.cpu_count(), "command": " ".join([sys.executable, *sys.argv]),
+           "args": vars(args), "results": results, "summary": summary}
+    text = markdown(results, summary, args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        Path(args.out).with_suffix(".md").write_text(text + "\n")
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "baseline"
+                return f"{line.split(':', 1)[1].strip()} ({isa})"
+    except OSError:
+        pass
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,161 @@
+"""What routing policies see and decide, and the registry that makes them by name.
+
+A policy sees ``Candidates`` (the live workers of each pool with their ``WorkerLoad``, and how
+many leading blocks of the prompt each one holds according to the prefix index) and returns a
+``Decision``: the worker that runs the prompt, and the decode worker it continues on (None when
+it stays where it was prefilled: colocated pools, or a short prompt prefilled on its decode
+worker). Policies never see a worker's scheduler or call a worker.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from router.routing.rates import LinearCost
+
+
+@dataclass
+class WorkerLoad:
+    """What the front knows about a worker's load and speed.
+
+    ``outstanding`` and ``local_pending_prefill`` are this front's own exact counts; the rest come
+    from the worker's last stats snapshot (seconds old). The three ``LinearCost`` fits are its
+    prefill step time (per prompt token), decode step time (per running sequence) and KV shipment
+    time (per byte), measured from the snapshots' cumulative counters.
+    """
+
+    outstanding: int = 0  # requests this front has in flight on the worker
+    local_pending_prefill: int = 0  # prompt tokens this front sent that have not produced a token
+    sole_front: bool = True  # no other front sends work: the local counts are the whole truth
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    reported_pending_prefill: int = 0
+    prefill: LinearCost = field(default_factory=LinearCost)
+    decode: LinearCost = field(default_factory=lambda: LinearCost(fallback="fixed"))
+    ship: LinearCost = field(default_factory=lambda: LinearCost(min_units=1024.0))
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.num_running = int(stats.get("num_running", 0))
+        self.num_waiting = int(stats.get("num_waiting", 0))
+        self.kv_cache_usage = float(stats.get("kv_cache_usage", 0.0))
+        self.num_free_blocks = int(stats.get("num_free_blocks", 0))
+        self.num_blocks = int(stats.get("num_blocks", 0))
+        self.reported_pending_prefill = int(stats.get("pending_prefill_tokens", 0))
+        prefill_s = float(stats.get("prefill_seconds", 0.0))
+        self.prefill.observe(stats.get("num_prefill_steps", 0), stats.get("num_prefill_tokens_computed", 0),
+                             prefill_s)
+        self.decode.observe(stats.get("num_decode_steps", 0), stats.get("num_decode_tokens_computed", 0),
+                            max(float(stats.get("busy_seconds", 0.0)) - prefill_s, 0.0))
+        transfer = (stats.get("extra") or {}).get("kv_transfer") or {}
+        if "shipments" in transfer:
+            self.ship.observe(transfer["shipments"], transfer.get("bytes", 0), transfer.get("ship_seconds", 0.0))
+
+    @property
+    def pending_prefill(self) -> int:
+        """Prompt tokens queued ahead of a new request. The sole front's own count is exact and
+        current; the worker's report is up to a stats interval old (it may still hold requests
+        long done), so it counts only where other fronts send work too."""
+        if self.sole_front:
+            return self.local_pending_prefill
+        return max(self.reported_pending_prefill, self.local_pending_prefill)
+
+    @property
+    def running(self) -> int:
+        """Sequences decoding there, by the same rule as ``pending_prefill``."""
+        return self.outstanding if self.sole_front else max(self.num_running, self.outstanding)
+
+
+class WorkerView(Protocol):
+    worker_id: str
+    role: str
+    load: WorkerLoad
+
+
+@dataclass
+class RouteRequest:
+    """A request as routing sees it: its length, its prompt's block-hash chain, its output budget."""
+
+    prompt_len: int
+    block_hashes: list[bytes]  # chain hashes of the prompt's full blocks a cache hit may cover
+    block_size: int
+    max_tokens: int = 16
+    kv_block_bytes: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the prompt's KV fills (the last one possibly partly)."""
+        return math.ceil(self.prompt_len / self.block_size)
+
+
+@dataclass
+class Candidates:
+    """The live workers a policy chooses among, and each one's prefix match in blocks."""
+
+    first: list[Any]  # prefill workers, or colocated ones
+    decode: list[Any] = field(default_factory=list)  # empty for colocated pools
+    matched_blocks: dict[str, int] = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)  # workers the index has no fresh events from
+
+    def matched(self, worker: Any) -> int:
+        return self.matched_blocks.get(worker.worker_id, 0)
+
+
+@dataclass
+class Decision:
+    """Where a request runs: ``first`` prefills (and, without ``decode``, decodes too)."""
+
+    first: Any
+    decode: Any | None
+    reason: str
+    matched_blocks: int = 0  # prompt blocks ``first`` holds already
+    estimated_ttft_s: float | None = None
+
+    @property
+    def local(self) -> bool:
+        """A disaggregated pool's request prefilled on its decode worker (nothing shipped)."""
+        return self.decode is None and getattr(self.first, "role", "") == "decode"
+
+
+class RoutingPolicy:
+    """Base class: ``route`` picks the workers. Subclasses set ``name`` and register themselves."""
+
+    name: ClassVar[str] = ""
+
+    def route(self, request: RouteRequest, candidates: Candidates) -> Decision:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[RoutingPolicy]] = {}
+
+
+def register_policy(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
+    """Class decorator: make ``cls`` available as ``[router] policy = cls.name``."""
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"routing policy {cls.__name__} needs a unique name, got {cls.name!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtins() -> None:
+    # Importing registers them; here rather than at the top, as they import this module.
+    from router.routing.policies import cost, least_loaded, prefix, round_robin  # noqa: F401
+
+
+def policy_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **options: Any) -> RoutingPolicy:
+    """The policy registered as ``name``; ValueError naming the known ones otherwise."""
+    _load_builtins()
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return cls(**options)

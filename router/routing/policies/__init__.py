@@ -1,0 +1,1 @@
+"""The built-in routing policies; each module registers one (``router.routing.base.register_policy``)."""

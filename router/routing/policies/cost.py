@@ -1,0 +1,81 @@
+"""``cost`` (the default): the (prefill, decode) pair with the earliest estimated completion.
+
+For every pair: the prefill worker's time to first token (its queue plus the prompt's part it
+does not hold) + the KV shipment (the blocks the decode worker does not hold) + the output at the
+decode worker's step time with one more sequence. A prefix match is worth exactly the prefill it
+saves, so a worker whose queue costs more than its cache saves loses the request: no hotspot.
+
+Conditional disaggregation: a decode worker may also prefill the prompt itself (nothing shipped)
+when the part of the prompt it lacks takes no longer to compute there than the shipment it saves
+would take: the threshold in tokens follows from the same fits. It is then one more candidate,
+paying for the stall its running sequences suffer while it prefills.
+Candidates within ``tie_tolerance`` of the best are tied, and a tie is broken at random.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
+from router.routing.cost_model import CostModel
+
+
+@register_policy
+class CompletionCost(RoutingPolicy):
+    """Joint choice of (prefill, decode), or a decode worker alone, by estimated completion time."""
+
+    name = "cost"
+
+    def __init__(self, stall_weight: float = 1.0, conditional_disaggregation: bool = True,
+                 tie_tolerance: float = 0.01, seed: int | None = None) -> None:
+        self.model = CostModel(stall_weight)
+        self.conditional_disaggregation = conditional_disaggregation
+        self.tie_tolerance = tie_tolerance
+        self._rng = random.Random(seed)
+
+    def route(self, request: RouteRequest, candidates: Candidates) -> Decision:
+        pool = candidates.first + candidates.decode
+        m, out = self.model, request.max_tokens
+        # (cost, ttft, first, decode)
+        options: list[tuple[float, float, Any, Any | None]] = []
+        if not candidates.decode:  # colocated: prefill and decode in one place
+            for w in candidates.first:
+                hit = candidates.matched(w)
+                ttft = m.ttft_s(w, request, hit, pool)
+                cost = (ttft + out * m.itl_s(w, pool) + m.stall_s(w, request, hit, pool)
+                        + m.room_penalty_s(w, request, hit))
+                options.append((cost, ttft, w, None))
+        else:
+            decode_s = {d.worker_id: out * m.itl_s(d, pool) for d in candidates.decode}
+            for p in candidates.first:
+                ttft = m.ttft_s(p, request, candidates.matched(p), pool)
+                for d in candidates.decode:
+                    hit_d = candidates.matched(d)
+                    cost = (ttft + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
+                            + m.room_penalty_s(d, request, hit_d))
+                    options.append((cost, ttft, p, d))
+            if self.conditional_disaggregation:
+                for d in candidates.decode:
+                    hit_d = candidates.matched(d)
+                    uncached = max(request.prompt_len - hit_d * request.block_size, 1)
+                    saved = min(m.ship_s(p, request, hit_d, pool) for p in candidates.first)
+                    if m.prefill_s(d, uncached, pool) > saved:
+                        continue
+                    ttft = m.ttft_s(d, request, hit_d, pool)
+                    cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
+                            + m.room_penalty_s(d, request, hit_d))
+                    options.append((cost, ttft, d, None))
+        best = min(o[0] for o in options)
+        tied = [o for o in options if o[0] <= best * (1 + self.tie_tolerance) + 1e-6]
+        _, ttft, first, decode = self._rng.choice(tied)
+        return Decision(first, decode, self._reason(first, decode, candidates), candidates.matched(first), ttft)
+
+    @staticmethod
+    def _reason(first: Any, decode: Any | None, candidates: Candidates) -> str:
+        if decode is None and candidates.decode:
+            return "local_prefill"
+        longest = max(candidates.matched(w) for w in candidates.first)
+        if longest == 0:
+            return "load"  # nothing cached anywhere: the queues decided
+        return "prefix" if candidates.matched(first) == longest else "hotspot_avoided"

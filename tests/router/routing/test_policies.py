@@ -1,0 +1,216 @@
+"""Every routing policy against fake workers with known caches and queues (no Ray)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.prefix_index import PrefixIndex
+from router.routing import Candidates, RouteRequest, WorkerLoad, make_policy, policy_names
+from router.routing.rates import LinearCost
+
+BS = 16
+BLOCK_BYTES = 2 * 30 * BS * 3 * 64 * 4  # SmolLM2-135M's KV per block in fp32
+
+
+@dataclass
+class Fake:
+    worker_id: str
+    role: str = "prefill"
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+
+def _fit(fixed: float, per_unit: float) -> LinearCost:
+    return LinearCost(fixed=fixed, per_unit=per_unit, fitted=True)
+
+
+def _worker(wid: str, role: str = "prefill", pending: int = 0, outstanding: int = 0, running: int = 0,
+            free_blocks: int = 1000, prefill=(0.005, 1 / 2000), decode=(0.02, 0.002),
+            ship=(0.005, 1 / 1e9)) -> Fake:
+    # sole_front=False: the reported counts below are what the policy goes by
+    load = WorkerLoad(outstanding=outstanding, num_running=running, num_free_blocks=free_blocks,
+                      sole_front=False,
+                      num_blocks=1000, reported_pending_prefill=pending, prefill=_fit(*prefill),
+                      decode=_fit(*decode), ship=_fit(*ship))
+    return Fake(wid, role, load)
+
+
+def _request(prompt_len: int = 1024, max_tokens: int = 16) -> RouteRequest:
+    hashes = [bytes([i]) * 16 for i in range((prompt_len - 1) // BS)]
+    return RouteRequest(prompt_len, hashes, BS, max_tokens, BLOCK_BYTES)
+
+
+def test_the_registry_names_every_policy_and_refuses_unknown_ones() -> None:
+    assert policy_names() == ["cost", "least_loaded", "prefix", "round_robin"]
+    with pytest.raises(ValueError, match="known: cost, least_loaded, prefix, round_robin"):
+        make_policy("fastest")
+
+
+def test_a_sole_front_trusts_its_own_counts_over_a_stale_report() -> None:
+    load = WorkerLoad(outstanding=1, local_pending_prefill=40, num_running=5, reported_pending_prefill=900)
+    assert load.pending_prefill == 40 and load.running == 1  # the report still counts finished work
+    load.sole_front = False  # other fronts' work shows only in the report
+    assert load.pending_prefill == 900 and load.running == 5
+
+
+# ---------------------------------------------------------------------- round_robin, least_loaded
+def test_round_robin_cycles_each_pool_in_id_order() -> None:
+    rr = make_policy("round_robin")
+    p = [_worker("p1"), _worker("p0")]
+    d = [_worker("d0", "decode"), _worker("d1", "decode"), _worker("d2", "decode")]
+    picks = [rr.route(_request(), Candidates(p, d)) for _ in range(6)]
+    assert [x.first.worker_id for x in picks] == ["p0", "p1"] * 3
+    assert [x.decode.worker_id for x in picks] == ["d0", "d1", "d2"] * 2
+    assert {x.reason for x in picks} == {"round_robin"}
+
+
+def test_least_loaded_takes_the_fewest_in_flight_and_breaks_ties_at_random() -> None:
+    ll = make_policy("least_loaded", seed=1)
+    p = [_worker("p0", outstanding=3), _worker("p1", outstanding=1), _worker("p2", outstanding=1)]
+    d = [_worker("d0", "decode"), _worker("d1", "decode")]
+    d[0].load.kv_cache_usage = 0.5
+    picks = Counter()
+    for _ in range(200):
+        x = ll.route(_request(), Candidates(p, d))
+        picks[x.first.worker_id] += 1
+        assert x.decode.worker_id == "d1"
+    assert set(picks) == {"p1", "p2"} and min(picks.values()) > 50
+
+
+# ---------------------------------------------------------------------- prefix
+def test_prefix_follows_the_longest_match_while_the_pool_is_balanced() -> None:
+    pol = make_policy("prefix", seed=0)
+    p = [_worker("p0", outstanding=10), _worker("p1", outstanding=0)]
+    x = pol.route(_request(), Candidates(p, [], {"p0": 60, "p1": 2}))
+    assert x.first.worker_id == "p0" and x.reason == "prefix" and x.matched_blocks == 60
+
+
+def test_prefix_goes_to_the_least_loaded_when_the_pool_is_out_of_balance_or_nothing_matches() -> None:
+    pol = make_policy("prefix", seed=0)
+    p = [_worker("p0", outstanding=40), _worker("p1", outstanding=2)]
+    x = pol.route(_request(), Candidates(p, [], {"p0": 60}))
+    assert x.first.worker_id == "p1" and x.reason == "imbalance"
+    p[0].load.outstanding = 5
+    cold = pol.route(_request(), Candidates(p, [], {"p0": 10}))  # 160 of 1024 tokens: under the threshold
+    assert cold.first.worker_id == "p1" and cold.reason == "cold"
+    empty = pol.route(_request(), Candidates(p, [], {}))
+    assert empty.first.worker_id == "p1" and empty.reason == "cold"
+
+
+# ---------------------------------------------------------------------- cost
+def test_cost_sends_a_prompt_to_the_worker_holding_its_prefix_when_queues_are_equal() -> None:
+    pol = make_policy("cost", seed=0)
+    p = [_worker("p0"), _worker("p1")]
+    d = [_worker("d0", "decode"), _worker("d1", "decode")]
+    x = pol.route(_request(), Candidates(p, d, {"p1": 63}))
+    assert x.first.worker_id == "p1" and x.reason == "prefix" and x.decode is not None
+    assert x.estimated_ttft_s == pytest.approx(0.005 + 1 / 2000 * (1024 - 63 * BS))
+
+
+def test_cost_avoids_a_hotspot_whose_queue_costs_more_than_its_cache_saves() -> None:
+    pol = make_policy("cost", seed=0)
+    hot = _worker("p0", pending=8000)  # 4 s of queued prefill
+    p = [hot, _worker("p1")]
+    d = [_worker("d0", "decode")]
+    x = pol.route(_request(), Candidates(p, d, {"p0": 63}))
+    assert x.first.worker_id == "p1" and x.reason == "hotspot_avoided"
+    hot.load.reported_pending_prefill = 200  # a short queue: the cache wins again
+    assert pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p0"
+
+
+def test_cost_with_an_empty_index_follows_the_queues() -> None:
+    pol = make_policy("cost", seed=0)
+    p = [_worker("p0", pending=3000), _worker("p1", pending=100)]
+    x = pol.route(_request(), Candidates(p, [_worker("d0", "decode")], {}))
+    assert x.first.worker_id == "p1" and x.reason == "load" and x.matched_blocks == 0
+
+
+def test_cost_breaks_ties_at_random() -> None:
+    pol = make_policy("cost", seed=3)
+    p = [_worker("p0"), _worker("p1")]
+    d = [_worker("d0", "decode"), _worker("d1", "decode")]
+    firsts, decodes = Counter(), Counter()
+    for _ in range(200):
+        x = pol.route(_request(), Candidates(p, d, {}))
+        firsts[x.first.worker_id] += 1
+        decodes[x.decode.worker_id] += 1
+    assert min(firsts.values()) > 50 and min(decodes.values()) > 50
+
+
+def test_cost_prefers_the_decode_worker_that_holds_the_prefix_when_shipping_is_slow() -> None:
+    pol = make_policy("cost", seed=0, conditional_disaggregation=False)
+    slow_link = (0.005, 1 / 50e6)  # 50 MB/s: a 1k-token prompt's KV takes ~0.9 s
+    p = [_worker("p0", ship=slow_link)]
+    d = [_worker("d0", "decode"), _worker("d1", "decode")]
+    x = pol.route(_request(), Candidates(p, d, {"d1": 60}))
+    assert x.decode.worker_id == "d1"
+
+
+def test_cost_keeps_off_a_decode_worker_without_room() -> None:
+    pol = make_policy("cost", seed=0, conditional_disaggregation=False)
+    d = [_worker("d0", "decode", free_blocks=2), _worker("d1", "decode", running=20)]  # d0 lacks 3 blocks
+    x = pol.route(_request(), Candidates([_worker("p0")], d, {"d0": 60}))
+    assert x.decode.worker_id == "d1"
+
+
+def test_conditional_disaggregation_prefills_a_short_uncached_tail_on_the_decode_worker() -> None:
+    pol = make_policy("cost", seed=0)
+    across_nodes = (0.03, 1 / 0.4e9)  # the veth link between two nodes, measured: 30 ms a shipment
+    p = [_worker("p0", pending=500, ship=across_nodes)]
+    d = [_worker("d0", "decode", running=1)]
+    # a 1k-token system prompt the decode worker holds, plus a short user turn: no shipment
+    x = pol.route(_request(1024 + 40), Candidates(p, d, {"p0": 64, "d0": 64}))
+    assert x.first.worker_id == "d0" and x.decode is None and x.local and x.reason == "local_prefill"
+    # a long uncached prompt: the prefill pool does it, and the KV travels
+    y = pol.route(_request(2048), Candidates(p, d, {"p0": 64, "d0": 0}))
+    assert y.first.worker_id == "p0" and y.decode.worker_id == "d0" and not y.local
+    # a decode worker busy with many streams: the stall it would inflict outweighs the shipment
+    d[0].load.num_running = 60
+    z = pol.route(_request(1024 + 40), Candidates(p, d, {"p0": 64, "d0": 64}))
+    assert z.first.worker_id == "p0" and z.decode.worker_id == "d0"
+    off = make_policy("cost", seed=0, conditional_disaggregation=False)
+    d[0].load.num_running = 1
+    assert off.route(_request(1024 + 40), Candidates(p, d, {"p0": 64, "d0": 64})).decode is not None
+    # a fast link: shipping the tail costs less than computing it, so the pools stay disaggregated
+    p[0].load.ship = _fit(0.001, 1 / 10e9)
+    assert pol.route(_request(1024 + 40), Candidates(p, d, {"p0": 64, "d0": 64})).decode is not None
+
+
+def test_cost_on_colocated_workers_weighs_cache_against_queue() -> None:
+    pol = make_policy("cost", seed=0)
+    c = [_worker("c0", "colocated", pending=100), _worker("c1", "colocated")]
+    assert pol.route(_request(), Candidates(c, [], {"c0": 63})).first.worker_id == "c0"
+    c[0].load.reported_pending_prefill = 10000
+    x = pol.route(_request(), Candidates(c, [], {"c0": 63}))
+    assert x.first.worker_id == "c1" and x.decode is None
+
+
+def test_unmeasured_workers_borrow_the_pools_fit() -> None:
+    pol = make_policy("cost", seed=0)
+    fresh = Fake("p1", "prefill", WorkerLoad(reported_pending_prefill=1000, sole_front=False))  # nothing fitted yet
+    measured = _worker("p0", pending=1000, prefill=(0.0, 1 / 100))  # a slow pool: 100 tokens/s
+    x = pol.route(_request(), Candidates([measured, fresh], [_worker("d0", "decode")], {"p0": 63}))
+    # with the pool's 100 tokens/s, fresh's 1000 queued tokens cost 10 s: the holder wins
+    assert x.first.worker_id == "p0"
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix", "cost"])
+def test_a_stale_or_removed_worker_never_breaks_a_decision(name: str) -> None:
+    index = PrefixIndex(ttl_s=5.0)
+
+    class B:
+        epoch, seq, events, resync, reason = "e", 1, [], True, "epoch"
+        hashes = _request().block_hashes
+
+    index.apply("p0", B(), now=0.0)
+    index.apply("gone", B(), now=0.0)
+    index.expire(now=10.0)  # p0 went silent: stale
+    pol = make_policy(name)
+    p = [_worker("p0"), _worker("p1")]
+    matched = index.match(["p0", "p1", "gone"], _request().block_hashes, now=10.0)
+    assert matched["p0"] == 0
+    # "gone" left the pool between the lookup and the decision: it is in the matches, not the pool
+    x = pol.route(_request(), Candidates(p, [_worker("d0", "decode")], matched, {"p0"}))
+    assert x.first.worker_id in {"p0", "p1"} and x.first.worker_id != "gone"
