@@ -107,6 +107,8 @@ class RouterSection(BaseModel):
         "its KV would cost more than it saves")
     stall_weight: float = Field(1.0, ge=0, description="cost: weight of the delay a prefill inflicts on "
                                 "the sequences decoding on the same worker")
+    work_weight: float = Field(1.0, ge=0, description="cost: weight of the delay a prefill's uncached "
+                               "tokens inflict on the requests that queue behind it")
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")
@@ -125,7 +127,7 @@ class RouterSection(BaseModel):
         from router.routing import make_policy
 
         if self.policy == "cost":
-            return make_policy("cost", stall_weight=self.stall_weight,
+            return make_policy("cost", stall_weight=self.stall_weight, work_weight=self.work_weight,
                                conditional_disaggregation=self.conditional_disaggregation)
         return make_policy(self.policy)
 

@@ -52,6 +52,10 @@ class _Stream:
     wire_id: str  # the id the workers know this attempt by (unique, unlike a client's id)
     paused: bool = False
     flow_seq: int = 0  # orders pause/resume calls, which a threaded actor may run out of order
+    n: int = 1
+    prefill_id: str | None = None  # the prefill worker, until every sample has reached the decode worker
+    decode_id: str | None = None
+    handed: set[int] = field(default_factory=set)  # samples the decode worker has sent deltas for
 
 
 class PoolClient:
@@ -141,7 +145,8 @@ class PoolClient:
         self._attempts += 1
         wire_id = f"{request_id}~{self.front_id[6:]}.{self._attempts}"
         stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()),
-                         wire_id)
+                         wire_id, n=params.n, prefill_id=first.worker_id if decode else None,
+                         decode_id=decode.worker_id if decode else None)
         self._streams[request_id] = stream
         self._by_wire[wire_id] = stream
         first.load.outstanding += 1
@@ -263,13 +268,26 @@ class PoolClient:
             root = self._roots[salt] = self._namespace.root_hash(salt)
         return block_hashes(root, prompt_token_ids, self._block_size, stop=len(prompt_token_ids) - 1)
 
-    def _deliver(self, deltas: list[TokenDelta]) -> None:
+    def _deliver(self, deltas: list[TokenDelta], source: str | None = None) -> None:
+        """Hand ``deltas`` (from worker ``source``) to their streams."""
         for d in deltas:
             stream = self._by_wire.get(d.request_id)
             if stream is not None:
+                if stream.prefill_id is not None and source is not None and (
+                        source == stream.decode_id or (source == stream.prefill_id and d.finish_reason is not None)):
+                    self._handed_over(stream, d.index)
                 stream.queue.put_nowait(d)
                 if not stream.paused and stream.queue.qsize() >= self.high_water:
                     self._set_paused(stream, True)
+
+    @staticmethod
+    def _handed_over(stream: _Stream, index: int) -> None:
+        # Once every sample decodes on the decode worker (or ended before it had to), the prefill
+        # worker holds nothing of the request: its death, or an abort, no longer concerns the stream.
+        stream.handed.add(index)
+        if len(stream.handed) >= stream.n:
+            stream.workers.discard(stream.prefill_id)
+            stream.prefill_id = None
 
     def _set_paused(self, stream: _Stream, paused: bool) -> None:
         stream.paused = paused
@@ -291,7 +309,7 @@ class PoolClient:
                 writer.write(frame(self.front_id.encode()))
                 # The worker answers once it has registered us: from then on nothing goes to an
                 # outbox that nobody polls. The answer carries what that outbox held.
-                self._deliver(decode_deltas(await self._read_frame(reader)))
+                self._deliver(decode_deltas(await self._read_frame(reader)), w.worker_id)
             except BaseException:
                 writer.close()
                 raise
@@ -314,7 +332,7 @@ class PoolClient:
     async def _read_loop(self, w: WorkerRef, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                self._deliver(decode_deltas(await self._read_frame(reader)))
+                self._deliver(decode_deltas(await self._read_frame(reader)), w.worker_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # EOF or reset: the worker process is gone
@@ -332,7 +350,7 @@ class PoolClient:
                 self._mark_dead(w, exc)
                 return
             if data:
-                self._deliver(decode_deltas(data))
+                self._deliver(decode_deltas(data), w.worker_id)
 
     def _mark_dead(self, w: WorkerRef, exc: BaseException) -> None:
         w.alive = False

@@ -10,6 +10,10 @@ A worker that has not done the work yet borrows the mean fit of those that have;
 a prior stands in (the first requests of a deployment only). ``stall_weight`` prices the delay a
 prefill on a busy worker inflicts on the sequences decoding there: a decode worker prefilling
 locally, or a colocated worker, pays its prefill time once per running sequence, times the weight.
+``work_weight`` prices the delay a prefill inflicts on the requests that will queue behind it: a
+request's own TTFT alone would send a prompt to an idle worker that must compute it all rather
+than to a holder of its prefix that is busy for about as long, and the cold copy costs every later
+arrival there. Each uncached token's compute counts once more, times the weight.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]
 class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
-    def __init__(self, stall_weight: float = 1.0) -> None:
+    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0) -> None:
         self.stall_weight = stall_weight
+        self.work_weight = work_weight
 
     def prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
         f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
@@ -80,6 +85,13 @@ class CostModel:
         if worker.load.num_blocks and worker.load.num_free_blocks < needed:
             return UNFIT_BLOCKS_PENALTY_S
         return 0.0
+
+    def work_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
+        """What prefilling the uncached part here costs the requests that arrive after it."""
+        if self.work_weight == 0:
+            return 0.0
+        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        return self.work_weight * f.per_unit * max(request.prompt_len - matched_blocks * request.block_size, 1)
 
     def stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         """What prefilling here costs the sequences already decoding on ``worker``."""

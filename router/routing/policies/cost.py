@@ -2,8 +2,10 @@
 
 For every pair: the prefill worker's time to first token (its queue plus the prompt's part it
 does not hold) + the KV shipment (the blocks the decode worker does not hold) + the output at the
-decode worker's step time with one more sequence. A prefix match is worth exactly the prefill it
-saves, so a worker whose queue costs more than its cache saves loses the request: no hotspot.
+decode worker's step time with one more sequence + the uncached prefill once more, for the
+requests that will queue behind it (``work_weight``). A prefix match is worth the prefill it saves
+(twice, with the default weight), so a holder loses the request only when its queue costs more
+than that: no hotspot, and no cold copy of a prefix for a queue a step deep.
 
 Conditional disaggregation: a decode worker may also prefill the prompt itself (nothing shipped)
 when the part of the prompt it lacks takes no longer to compute there than the shipment it saves
@@ -27,9 +29,10 @@ class CompletionCost(RoutingPolicy):
 
     name = "cost"
 
-    def __init__(self, stall_weight: float = 1.0, conditional_disaggregation: bool = True,
-                 tie_tolerance: float = 0.01, seed: int | None = None) -> None:
-        self.model = CostModel(stall_weight)
+    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0,
+                 conditional_disaggregation: bool = True, tie_tolerance: float = 0.01,
+                 seed: int | None = None) -> None:
+        self.model = CostModel(stall_weight, work_weight)
         self.conditional_disaggregation = conditional_disaggregation
         self.tie_tolerance = tie_tolerance
         self._rng = random.Random(seed)
@@ -44,15 +47,16 @@ class CompletionCost(RoutingPolicy):
                 hit = candidates.matched(w)
                 ttft = m.ttft_s(w, request, hit, pool)
                 cost = (ttft + out * m.itl_s(w, pool) + m.stall_s(w, request, hit, pool)
-                        + m.room_penalty_s(w, request, hit))
+                        + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit))
                 options.append((cost, ttft, w, None))
         else:
             decode_s = {d.worker_id: out * m.itl_s(d, pool) for d in candidates.decode}
             for p in candidates.first:
                 ttft = m.ttft_s(p, request, candidates.matched(p), pool)
+                work = m.work_s(p, request, candidates.matched(p), pool)
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
-                    cost = (ttft + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
+                    cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
                             + m.room_penalty_s(d, request, hit_d))
                     options.append((cost, ttft, p, d))
             if self.conditional_disaggregation:
@@ -64,7 +68,7 @@ class CompletionCost(RoutingPolicy):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
-                            + m.room_penalty_s(d, request, hit_d))
+                            + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d))
                     options.append((cost, ttft, d, None))
         best = min(o[0] for o in options)
         tied = [o for o in options if o[0] <= best * (1 + self.tie_tolerance) + 1e-6]

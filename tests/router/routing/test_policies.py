@@ -214,3 +214,17 @@ def test_a_stale_or_removed_worker_never_breaks_a_decision(name: str) -> None:
     # "gone" left the pool between the lookup and the decision: it is in the matches, not the pool
     x = pol.route(_request(), Candidates(p, [_worker("d0", "decode")], matched, {"p0"}))
     assert x.first.worker_id in {"p0", "p1"} and x.first.worker_id != "gone"
+
+
+def test_a_holder_one_prefill_deep_keeps_its_prefix_rather_than_a_cold_copy_being_made() -> None:
+    # The holder's queue (1100 tokens) takes about as long as the whole prompt would take an idle
+    # worker: by TTFT alone the idle one wins, but its cold copy of the prefix costs the requests
+    # that arrive after it. A queue twice as deep is a hotspot: then the request moves.
+    p = [_worker("p0", pending=1100), _worker("p1")]
+    d = [_worker("d0", "decode")]
+    myopic = make_policy("cost", seed=0, work_weight=0.0)
+    assert myopic.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p1"
+    pol = make_policy("cost", seed=0)
+    assert pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p0"
+    p[0].load.reported_pending_prefill = 3000
+    assert pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p1"

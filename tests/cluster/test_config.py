@@ -1,0 +1,39 @@
+"""The ``[router]`` section: a policy chosen by name, in the file or on the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.config import ConfigError, load_config
+
+
+def test_the_default_policy_is_cost_with_conditional_disaggregation() -> None:
+    config = load_config(None)
+    assert config.router.policy == "cost" and config.router.conditional_disaggregation
+    policy = config.router.make_policy()
+    assert policy.name == "cost" and policy.conditional_disaggregation
+
+
+def test_a_policy_named_in_the_file_is_made_with_its_options(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[router]\npolicy = "cost"\nconditional_disaggregation = false\nstall_weight = 0.5\n')
+    policy = load_config(path).router.make_policy()
+    assert not policy.conditional_disaggregation and policy.model.stall_weight == 0.5
+    path.write_text('[router]\npolicy = "prefix"\n')
+    assert load_config(path).router.make_policy().name == "prefix"
+
+
+def test_an_unknown_policy_fails_at_start_listing_the_known_ones(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[router]\npolicy = "fastest"\n')
+    with pytest.raises(ConfigError, match="router.policy: .*known: cost, least_loaded, prefix, round_robin"):
+        load_config(path)
+    with pytest.raises(ValueError, match="known: cost, least_loaded, prefix, round_robin"):
+        load_config(None).with_overrides(**{"router.policy": "fastest"})
+
+
+def test_serve_takes_the_policy_on_the_command_line() -> None:
+    args = build_parser().parse_args(["serve", "--routing-policy", "least_loaded"])
+    assert args.routing_policy == "least_loaded"
+    assert load_config(None).with_overrides(**{"router.policy": args.routing_policy}).router.policy == "least_loaded"
