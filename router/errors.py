@@ -77,6 +77,8 @@ def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
         params.append(param)
         if err.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {err.get('msg', '')}")
+        elif err.get("type") == "extra_forbidden":
+            parts.append(f"{param}: not supported by this server (it would be ignored, so the request is refused)")
         else:
             parts.append(f"{param or 'body'}: {err.get('msg', 'invalid value')}")
     return APIError(400, "; ".join(parts), param=params[0])

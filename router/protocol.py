@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response models (chat, completions, models, errors).
 
-Requests ignore unknown fields, as OpenAI-compatible servers do, and accept vLLM's sampling
-extensions (sent by the ``openai`` SDK through ``extra_body``). Range checks that need no model
+A request field this server does not implement is a 400 naming it, never silently ignored: a
+client that asked for JSON output, tools or beam search must hear that it will not get them.
+Only fields that change nothing about the output are accepted and ignored (``user``, ``store``,
+``metadata``). vLLM's sampling extensions (sent by the ``openai`` SDK through ``extra_body``) are
+accepted. Range checks that need no model
 live here or in ``SamplingParams``; checks that need the model (vocabulary, context) happen in
 the serving layer and the engine.
 """
@@ -14,14 +17,39 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from workers.errors import InvalidRequestError
 from workers.sampling.params import SamplingParams
+from workers.sampling.structured.spec import StructuredSpec
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``: the schema is always enforced (``strict`` or not)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's ``structured_outputs`` (``extra_body``): exactly one of the constraints."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class TextPart(_Request):
@@ -52,7 +80,10 @@ class SamplingRequest(_Request):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # Accepted and ignored: they label or store the request, and change nothing in the answer.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
@@ -66,14 +97,56 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def structured_spec(self) -> StructuredSpec | None:
+        """The grammar the output must follow, from whichever field gave it; 400 if more than one did."""
+        found: list[tuple[str, StructuredSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredSpec.json_object()))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise InvalidRequestError("response_format of type json_schema needs a json_schema object",
+                                          param="response_format.json_schema")
+            found.append(("response_format", StructuredSpec.json_schema(rf.json_schema.schema_,
+                                                                        param="response_format.json_schema")))
+        so = self.structured_outputs
+        if so is not None:
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                          ("grammar", so.grammar)) if v is not None]
+            if so.json_object:
+                given.append(("json_object", True))
+            if len(given) != 1:
+                raise InvalidRequestError("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                          f"json_object; got {', '.join(k for k, _ in given) or 'none'}",
+                                          param="structured_outputs")
+            found.append(("structured_outputs", _spec(*given[0], param=f"structured_outputs.{given[0][0]}")))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _spec(kind, value, param=name)))
+        if len(found) > 1:
+            raise InvalidRequestError(f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
+                                      param=found[1][0])
+        return found[0][1] if found else None
+
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Engine parameters; raises InvalidRequestError (with the OpenAI param name) on bad values."""
+        spec = self.structured_spec()
         return SamplingParams(
+            structured_outputs=spec.to_dict() if spec is not None else None,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -93,6 +166,18 @@ class SamplingRequest(_Request):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+
+def _spec(kind: str, value: Any, param: str) -> StructuredSpec:
+    if kind == "json":
+        return StructuredSpec.json_schema(value, param=param)
+    if kind == "json_object":
+        return StructuredSpec.json_object()
+    if kind == "regex":
+        return StructuredSpec.regex(value, param=param)
+    if kind == "choice":
+        return StructuredSpec.choice(value, param=param)
+    return StructuredSpec.grammar(value, param=param)
 
 
 def _parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

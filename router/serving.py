@@ -7,6 +7,7 @@ the same per-choice text state, so a streamed response concatenates to the non-s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ from router.protocol import (
 from router.server import ClientGone, EventStreamResponse, run_until_disconnected
 from router.stream import SSE_DONE, Choices, EngineJob, EngineRun, LogprobFormatter, SampleState, sse
 from workers.errors import ContextLengthExceededError, InvalidRequestError
+from workers.sampling.structured import DEFAULT_BACKEND, StructuredSpec, make_backend
 from workers.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class OpenAIServing:
         self.queue_size = queue_size
         self.logprob_fmt = LogprobFormatter(tokenizer)
         self.created = int(time.time())
+        self._grammars: Any = None  # a grammar backend of our own, to refuse a bad one with a 400 up front
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name,
@@ -86,6 +89,7 @@ class OpenAIServing:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         call = _Call("chat", f"chatcmpl-{uuid.uuid4().hex}", body, body.engine_logprobs())
         call.jobs.append(self._job(call, call.id, ids, None, body.requested_max_tokens(), "messages"))
+        await self._check_grammar(call)
         return await self._serve(call, http)
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
@@ -101,7 +105,25 @@ class OpenAIServing:
         for i, (text, ids) in enumerate(prompts):
             rid = call.id if len(prompts) == 1 else f"{call.id}-{i}"
             call.jobs.append(self._job(call, rid, ids, text, body.max_tokens, "prompt"))
+        await self._check_grammar(call)
         return await self._serve(call, http)
+
+    async def _check_grammar(self, call: _Call) -> None:
+        """Compile the request's grammar here (off the event loop), so one that does not compile is a
+        400 naming the reason before anything is queued; the workers' compile caches do the rest."""
+        raw = call.jobs[0].params.structured_outputs if call.jobs else None
+        if raw is None:
+            return
+        spec = StructuredSpec.from_dict(raw, param="structured_outputs")
+        param = _grammar_param(call.body)
+        await asyncio.to_thread(lambda: self._grammar_backend().compile(spec, param))
+
+    def _grammar_backend(self) -> Any:
+        if self._grammars is None:
+            tok = self.tokenizer
+            self._grammars = make_backend(DEFAULT_BACKEND, tok.backend.to_str(),
+                                          tok.backend.get_vocab_size(with_added_tokens=True), tok.eos_token_ids)
+        return self._grammars
 
     # ------------------------------------------------------------------ request -> engine jobs
     def _check_model(self, model: str | None) -> None:
@@ -266,3 +288,12 @@ class OpenAIServing:
         finally:
             await run.close()
         yield SSE_DONE
+
+
+def _grammar_param(body: Any) -> str:
+    """The request field a grammar came from, for the 400's ``param``."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):
+        if getattr(body, name, None) is not None:
+            return name
+    return "structured_outputs"

@@ -64,7 +64,8 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
         tokenizer_hash=tokenizer.fingerprint(), chat_template_hash=tokenizer.chat_template_fingerprint(),
         kv_dtype=config.dtype, block_size=config.block_size)
     eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
-    engine = EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace)
+    engine = EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace,
+                        tokenizer_json=tokenizer.backend.to_str())
     return engine, tokenizer, folder
 
 

@@ -131,6 +131,29 @@ def test_n_samples_and_seeds_across_the_hop(disagg, tiny_model_dir):
     assert [toks[0], toks[1]] == [c.token_ids for c in offline.outputs]
 
 
+def test_a_grammar_survives_the_hop(disagg, tiny_model_dir):
+    """A constrained request prefilled on one worker and decoded on another follows its grammar
+    there too (the matcher is rebuilt from the emitted tokens): the same tokens as the offline
+    engine, greedy and seeded, and the text matches."""
+    import re
+
+    from workers.sampling.structured import StructuredSpec
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    prompt = llm.tokenizer.encode("Hello world")
+    pattern = "[a-z]{3,6}-[0-9]{2,4}"
+    regex = StructuredSpec.regex(pattern).to_dict()
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=regex),
+              SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=30, structured_outputs=regex)]
+    results = _run(disagg, [(f"g{i}", prompt, p) for i, p in enumerate(params)])
+    offline = llm.generate([prompt, prompt], params)
+    for (toks, reasons), out in zip(results, offline):
+        assert [toks[i] for i in sorted(toks)] == [c.token_ids for c in out.outputs]
+        for c in out.outputs:
+            assert re.fullmatch(pattern, c.text), c.text
+        assert set(reasons.values()) == {"stop"}
+
+
 def test_32_streams_then_cancel_half_returns_every_block(disagg, tiny_model_dir):
     llm_tok = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8).tokenizer
     prompt = llm_tok.encode("The quick brown fox jumps over the lazy dog")
@@ -281,6 +304,63 @@ def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir, 
         assert asyncio.run(main()) >= 3
         stats = ray.get(prefill.handle.stats.remote())
         assert stats["num_free_blocks"] == NUM_BLOCKS and stats["num_running"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_prefill_worker_death_spares_streams_already_decoding(ray_session, tiny_model_dir):
+    """Kill the prefill actor once every stream decodes on the decode worker: the streams finish
+    exactly as the offline engine's (the front dropped the prefill worker from them at the
+    handoff), and new requests are refused rather than hang."""
+    import ray
+
+    from workers.errors import OverloadedError
+
+    cluster = Cluster(_config(tiny_model_dir, SHARE, "auto", prefill=1, decode=1))
+    cluster.start()
+    prefill = next(w for w in cluster.workers if w.role == "prefill")
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
+    prompts = [llm.tokenizer.encode(t) for t in ("Hello world", "The sky is", "One two three", "Paris")]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        pool = PoolClient(cluster.workers, cluster.limits, policy=_hop())
+        await pool.start(stats_interval_s=0.2)
+        decoding = asyncio.Semaphore(0)
+
+        async def one(i, prompt):
+            toks = []
+            async for d in pool.generate(f"s{i}", prompt, params):
+                toks.extend(d.token_ids)
+                if len(toks) - len(d.token_ids) < 3 <= len(toks):
+                    decoding.release()  # past the first token: this one decodes on decode-0
+            return toks
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        try:
+            for _ in prompts:
+                await asyncio.wait_for(decoding.acquire(), 60)
+            ray.kill(prefill.handle)
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            with pytest.raises(OverloadedError):  # noticed dead (socket EOF) before the next request
+                await asyncio.sleep(1.0)
+                async for _ in pool.generate("after", [5, 6], SamplingParams(max_tokens=2)):
+                    pass
+            return done
+        finally:
+            for t in tasks:
+                t.cancel()
+            await pool.stop()
+
+    try:
+        got = asyncio.run(main())
+        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        decode = next(w for w in cluster.workers if w.role == "decode")
+        deadline = time.monotonic() + 10
+        while (stats := ray.get(decode.handle.stats.remote()))["num_free_blocks"] != NUM_BLOCKS:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        assert stats["num_running"] == 0
     finally:
         cluster.stop()
 

@@ -57,9 +57,14 @@ def test_chat_usage_counts_real_tokens(backend, sdk):
 
 
 def test_model_may_be_omitted(backend):
+    r = httpx.post(backend.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
+def test_an_unknown_field_is_refused_naming_it(backend):
     r = httpx.post(backend.url + "/v1/chat/completions",
                    json={"messages": CHAT, "max_tokens": 2, "unknown_field": {"x": 1}})
-    assert r.status_code == 200 and r.json()["model"] == MODEL
+    assert r.status_code == 400 and r.json()["error"]["param"] == "unknown_field"
 
 
 def test_completion_usage_and_text(backend, sdk):
@@ -233,6 +238,13 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": [[1, 2], [10**9]]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 9}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    # fields this server does not implement are refused, never silently ignored
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [], "stream": True}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
 ]
 
 

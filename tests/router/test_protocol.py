@@ -25,7 +25,7 @@ def test_chat_request_maps_openai_and_vllm_fields():
         "frequency_penalty": 0.1, "presence_penalty": -0.2, "logit_bias": {"17": -100, "3": 2.5},
         "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2,
         "stop_token_ids": [9], "include_stop_str_in_output": True, "skip_special_tokens": False,
-        "cache_salt": "tenant-a", "priority": 3, "some_future_field": {"x": 1},
+        "cache_salt": "tenant-a", "priority": 3,
     })
     p = req.to_sampling_params(max_tokens=32, logprobs=req.engine_logprobs())
     assert (p.temperature, p.top_p, p.n, p.stop, p.seed) == (0.5, 0.9, 3, ["END"], 4)
@@ -124,3 +124,19 @@ def test_delta_serialization_keeps_only_set_keys():
     assert data["choices"][1]["delta"] == {} and data["choices"][1]["finish_reason"] == "stop"
     assert data["choices"][0]["finish_reason"] is None and "usage" not in data
     assert chunk.model_dump()["usage"] is None
+
+
+def test_a_field_this_server_does_not_implement_is_named_in_a_400():
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": USER, "tools": [{"type": "function"}]})
+    err = validation_error(exc.value)
+    assert err.status_code == 400 and err.param == "tools" and "not supported" in err.message
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate({"prompt": "x", "use_beam_search": True})
+    assert validation_error(exc.value).param == "use_beam_search"
+
+
+def test_fields_that_change_nothing_in_the_answer_are_accepted():
+    req = ChatCompletionRequest.model_validate({"messages": USER, "user": "u-1", "store": False,
+                                                "metadata": {"team": "search"}})
+    assert req.user == "u-1" and req.metadata == {"team": "search"}

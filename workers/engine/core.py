@@ -19,6 +19,7 @@ from workers.engine.model_runner import ModelRunner, kv_cache_block_bytes, sampl
 from workers.engine.outputs import TokenDelta
 from workers.engine.request import Request, RequestGroup, RequestStatus
 from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.structured import StructuredOutputs
 from workers.engine.swap import HostBlockPool
 from workers.engine.validation import RequestLimits
 from workers.errors import InvalidRequestError
@@ -34,12 +35,13 @@ class EngineCore(KVMigrationMixin):
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
                  eos_token_ids: Sequence[int], namespace: CacheNamespace | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", tokenizer_json: str | None = None) -> None:
         self.config = config
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.structured = StructuredOutputs(tokenizer_json, self.vocab_size, sorted(self.eos_token_ids))
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, num_blocks, config.block_size)
         self.kv_events = KVEventLog()  # what routers mirror of this engine's prefix cache
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -84,6 +86,7 @@ class EngineCore(KVMigrationMixin):
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self.validate(prompt_token_ids, params)
+        matcher = self.structured.matcher(params)  # InvalidRequestError (nothing queued) if it does not compile
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
@@ -92,6 +95,7 @@ class EngineCore(KVMigrationMixin):
                       arrival_time=arrival_time or time.monotonic(), priority=priority,
                       cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1,
                       prefill_only=prefill_only)
+        req.matcher = matcher
         self.groups[request_id] = RequestGroup(request_id, [member_id], len(prompt_token_ids))
         self._members[member_id] = req
         self.scheduler.add_request(req)
@@ -207,6 +211,9 @@ class EngineCore(KVMigrationMixin):
         for i, req in enumerate(row_reqs):
             tok = token_ids[i]
             req.append_token(tok)
+            refused = req.matcher is not None and not req.matcher.accept(tok)
+            if refused:  # the mask should make this impossible: end the sample, say why
+                req.stop_reason = f"token {tok} does not follow the grammar {req.matcher.error()}".strip()
             if req.first_token_time is None:
                 req.first_token_time = now
             delta = TokenDelta(req.parent_id or req.request_id, req.index, [tok],
@@ -217,7 +224,7 @@ class EngineCore(KVMigrationMixin):
                 if top_ids is not None and req.params.logprobs:
                     k = req.params.logprobs
                     delta.top_logprobs = [list(zip(top_ids[i][:k], top_vals[i][:k]))]
-            status = self._check_stop(req, tok)
+            status = RequestStatus.FINISHED_ABORTED if refused else self._check_stop(req, tok)
             if status is not None:
                 self._finish(req, status, None)
                 delta.finish_reason = req.status.finish_reason
@@ -245,6 +252,7 @@ class EngineCore(KVMigrationMixin):
                                     priority=req.priority, cache_salt=req.cache_salt,
                                     parent_id=group.request_id, index=idx,
                                     prefill_only=req.prefill_only)
+                    child.matcher = req.matcher.copy() if req.matcher is not None else None
                     self.scheduler.fork(req, child)
                     group.member_ids.append(child.request_id)
                     self._members[child.request_id] = child
@@ -253,7 +261,9 @@ class EngineCore(KVMigrationMixin):
             repeat.append(copies)
         if len(row_reqs) != len(sampling):
             logits = logits.repeat_interleave(torch.tensor(repeat, device=logits.device), dim=0)
-        return [self._row(r) for r in row_reqs], row_reqs, logits
+        rows = [self._row(r) for r in row_reqs]
+        self.structured.fill(rows, [r.matcher for r in row_reqs])
+        return rows, row_reqs, logits
 
     def _row(self, req: Request) -> SamplingRow:
         p = req.params
@@ -267,6 +277,8 @@ class EngineCore(KVMigrationMixin):
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.params
+        if req.matcher is not None and req.matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the output is complete: only EOS could follow
         if req.num_output_tokens >= p.min_tokens:
             if tok in self.eos_token_ids and not p.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

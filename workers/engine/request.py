@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +68,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    matcher: Any = None  # the grammar's state (structured output), advanced by every emitted token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -93,6 +93,8 @@ class KVMigrationMixin:
                       cache_salt=meta.cache_salt, parent_id=meta.request_id, index=meta.index)
         for tok in meta.output_token_ids:
             req.append_token(tok)
+        # The grammar's state does not travel: it is rebuilt from the tokens emitted so far.
+        req.matcher = self.structured.matcher(params, req.output_token_ids)
         if meta.generator_state is not None:
             gen = torch.Generator()
             gen.set_state(torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.errors import InvalidRequestError
 
@@ -39,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # A grammar the output must follow: ``workers.sampling.structured.StructuredSpec.to_dict()``
+    # (a plain dict, so it travels with the request to other workers).
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +98,10 @@ class SamplingParams:
                 _check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias for {tok} must be in [-100, 100]")
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "allowed_token_ids must not be empty")
+        if self.structured_outputs is not None:
+            from workers.sampling.structured.spec import StructuredSpec
+
+            StructuredSpec.from_dict(self.structured_outputs, param="structured_outputs")  # raises with the reason
 
     @property
     def greedy(self) -> bool:

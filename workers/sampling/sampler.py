@@ -3,7 +3,8 @@
 Per-row pipeline, all fp32 (the order is part of the API):
 
 1. hard constraints: + logit_bias; outside ``allowed_token_ids`` -> -inf;
-   ``banned_token_ids`` and the engine's ``suppress_token_ids`` -> -inf
+   ``banned_token_ids`` and the engine's ``suppress_token_ids`` -> -inf; tokens the row's grammar
+   rejects (``grammar_bitmask``, structured output) -> -inf
 2. penalties: repetition (prompt + output, sign-aware), then frequency / presence (output)
 3. temperature; T == 0 is greedy: argmax of the logits after steps 1-2 (lowest id on ties)
 4. top-k -> top-p -> min-p -> typical-p, each on the previous stage's renormalised support
@@ -13,7 +14,8 @@ Per-row pipeline, all fp32 (the order is part of the API):
 
 Logprobs are taken from the raw logits (before steps 1-5), like vLLM's default.
 If a row's hard constraints leave no finite logit, that row falls back to its raw logits
-for this step rather than emitting garbage.
+for this step rather than emitting garbage; a row with a grammar falls back to its raw logits
+under the grammar alone, so it never emits a token the grammar rejects.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from workers.sampling.ops import (
     truncation_window,
 )
 from workers.sampling.params import SamplingParams
+from workers.sampling.structured.mask import apply_bitmask_
 
 _CPU_CHUNK_ROWS = 32
 
@@ -50,6 +53,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
     suppress_token_ids: Sequence[int] = ()
+    grammar_bitmask: torch.Tensor | None = None  # int32 words, bit t set = token t allowed
 
 
 @dataclass
@@ -64,7 +68,8 @@ class SamplerOutput:
 
 def _needs_hard(row: SamplingRow) -> bool:
     p = row.params
-    return bool(p.logit_bias or p.allowed_token_ids is not None or p.banned_token_ids or row.suppress_token_ids)
+    return bool(p.logit_bias or p.allowed_token_ids is not None or p.banned_token_ids or row.suppress_token_ids
+                or row.grammar_bitmask is not None)
 
 
 def _needs_penalty(p: SamplingParams) -> bool:
@@ -157,10 +162,17 @@ def _constrain_(z: torch.Tensor, x: torch.Tensor, rows: Sequence[SamplingRow], i
         z[a] = z[a].masked_fill(~keep, NEG_INF)
     if ban_r:
         z[torch.tensor(ban_r, device=dev), torch.tensor(ban_t, device=dev)] = NEG_INF
+    grammar = [i for i in idx if rows[i].grammar_bitmask is not None]
+    if grammar:
+        apply_bitmask_(z, torch.stack([rows[i].grammar_bitmask for i in grammar]), grammar)
     masked = torch.tensor(idx, device=dev)
-    dead = masked[~(z[masked] > NEG_INF).any(-1)]
-    if dead.numel():
+    dead = masked[~(z[masked] > NEG_INF).any(-1)].tolist()
+    if dead:
         z[dead] = x[dead]
+        # The grammar is the one constraint that is never dropped: bias and bans are.
+        kept = [i for i in dead if rows[i].grammar_bitmask is not None]
+        if kept:
+            apply_bitmask_(z, torch.stack([rows[i].grammar_bitmask for i in kept]), kept)
 
 
 class Sampler:
