@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workloads", default="shared-prefix,skewed")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--suffix-len", type=int, default=32)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from router.routing.rates import LinearCost
+from workers.registry import Registry
 
 
 @dataclass
@@ -130,32 +131,16 @@ class RoutingPolicy:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[RoutingPolicy]] = {}
-
-
-def register_policy(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
-    """Class decorator: make ``cls`` available as ``[router] policy = cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"routing policy {cls.__name__} needs a unique name, got {cls.name!r}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
 def _load_builtins() -> None:
     # Importing registers them; here rather than at the top, as they import this module.
     from router.routing.policies import cost, least_loaded, prefix, round_robin  # noqa: F401
 
 
-def policy_names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
+_REGISTRY: Registry[type[RoutingPolicy]] = Registry("routing policy", _load_builtins)
+register_policy = _REGISTRY.register
+policy_names = _REGISTRY.names
 
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:
-    """The policy registered as ``name``; ValueError naming the known ones otherwise."""
-    _load_builtins()
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**options)
+    """The policy registered as ``name`` (``options`` to its constructor); ValueError naming the known ones."""
+    return _REGISTRY.get(name)(**options)

@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Protocol
 
 from workers.errors import KVTransferError, OutOfBlocksError
 from workers.kv.migration import MigrationMeta
+from workers.registry import Registry
 
 # Tried in this order by transport "auto": the first that reaches the peer ships to it.
 AUTO_ORDER = ("shared_memory", "collective")
@@ -144,28 +145,15 @@ class KVConnector:
             delay = min(delay * 2, 0.5)
 
 
-_REGISTRY: dict[str, type[KVConnector]] = {}
+def _load_builtin() -> None:
+    # Importing registers them; here rather than at the top, as they import this module.
+    from workers.kv.connectors import collective, object_store, shared_memory  # noqa: F401
 
 
-def register_connector(cls: type[KVConnector]) -> type[KVConnector]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"connector name {cls.name!r} is empty or taken")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def connector_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def connector_class(name: str) -> type[KVConnector]:
-    _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown KV connector {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+_REGISTRY: Registry[type[KVConnector]] = Registry("KV connector", _load_builtin)
+register_connector = _REGISTRY.register
+connector_names = _REGISTRY.names
+connector_class = _REGISTRY.get
 
 
 def make_connector(name: str, host: KVHost) -> KVConnector:
@@ -191,7 +179,3 @@ def ray_get(ref: Any, timeout: float) -> Any:
     except ray.exceptions.GetTimeoutError as exc:
         raise KVTransferError(f"the peer did not answer within {timeout}s") from exc
 
-
-def _load_builtin() -> None:
-    # Importing registers them; here rather than at the top, as they import this module.
-    from workers.kv.connectors import collective, object_store, shared_memory  # noqa: F401

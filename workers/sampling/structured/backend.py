@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from workers.registry import Registry
 from workers.sampling.structured.spec import DEFAULT_PARAM, StructuredSpec
 
 DEFAULT_BACKEND = "llguidance"
@@ -150,32 +151,6 @@ class GrammarBackend:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[GrammarBackend]] = {}
-
-
-def register_backend(cls: type[GrammarBackend]) -> type[GrammarBackend]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"grammar backend name {cls.name!r} is empty or taken")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def backend_names() -> list[str]:
-    """Names of the registered backends, sorted."""
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def backend_class(name: str) -> type[GrammarBackend]:
-    """The backend class registered as ``name``; ValueError listing the known names otherwise."""
-    _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown grammar backend {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-
-
 def make_backend(name: str, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  **options: Any) -> GrammarBackend:
     """The backend registered as ``name`` for this tokenizer (building one may take ~0.5 s)."""
@@ -185,3 +160,9 @@ def make_backend(name: str, tokenizer_json: str, vocab_size: int, eos_token_ids:
 def _load_builtin() -> None:
     # Importing registers them; here rather than at the top, as they import this module.
     from workers.sampling.structured import llguidance_backend  # noqa: F401
+
+
+_REGISTRY: Registry[type[GrammarBackend]] = Registry("grammar backend", _load_builtin)
+register_backend = _REGISTRY.register
+backend_names = _REGISTRY.names
+backend_class = _REGISTRY.get
