@@ -8,6 +8,7 @@ the same per-choice text state, so a streamed response concatenates to the non-s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,7 +19,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
+from router import tools
 from router.engine_client import EngineClient
 from router.errors import APIError, to_api_error
 from router.protocol import (
@@ -31,10 +34,14 @@ from router.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     ModelCard,
     ModelList,
     SamplingRequest,
+    ToolCall,
     UsageInfo,
 )
 from router.server import ClientGone, EventStreamResponse, run_until_disconnected
@@ -57,6 +64,7 @@ class _Call:
     jobs: list[EngineJob] = field(default_factory=list)
     echo: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_mode: str | None = None  # auto | required | function:NAME: parse the output for tool calls
 
 
 class OpenAIServing:
@@ -85,10 +93,24 @@ class OpenAIServing:
         """``POST /v1/chat/completions``: render the chat template, then generate."""
         self._check_model(body.model)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        tool_list = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
+        mode = tools.check_choice(tool_list, choice)
+        messages, template_tools = tools.render_messages(messages, tool_list, self.tokenizer.renders_tools)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                    tools=template_tools)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         call = _Call("chat", f"chatcmpl-{uuid.uuid4().hex}", body, body.engine_logprobs())
-        call.jobs.append(self._job(call, call.id, ids, None, body.requested_max_tokens(), "messages"))
+        job = self._job(call, call.id, ids, None, body.requested_max_tokens(), "messages")
+        if tool_list and mode != "none":
+            call.tool_mode = mode
+            spec = tools.grammar(tool_list, mode, body.parallel_tool_calls is not False)
+            if spec is not None:
+                if job.params.structured_outputs is not None:
+                    raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
+                                              "another output constraint", param="tool_choice")
+                job.params = dataclasses.replace(job.params, structured_outputs=spec.to_dict())
+        call.jobs.append(job)
         await self._check_grammar(call)
         return await self._serve(call, http)
 
@@ -207,10 +229,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ responses
     def _chat_response(self, call: _Call, choices: Choices) -> ChatCompletionResponse:
-        out = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
-                          logprobs=self._chat_logprobs(call, s.token_ids, s.logprobs, s.top_logprobs),
-                          finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-               for s in choices.samples]
+        out = []
+        for s in choices.samples:
+            content, calls = tools.parse(s.text) if call.tool_mode else (s.text, [])
+            message = AssistantMessage(content=content, tool_calls=[
+                ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
+            out.append(ChatChoice(index=s.index, message=message,
+                                  logprobs=self._chat_logprobs(call, s.token_ids, s.logprobs, s.top_logprobs),
+                                  finish_reason=_tool_finish(s.finish_reason, calls), stop_reason=s.stop_reason))
         return ChatCompletionResponse(id=call.id, created=call.created, model=self.model_name, choices=out,
                                       usage=choices.usage())
 
@@ -246,6 +272,13 @@ class OpenAIServing:
             for s in choices.samples:
                 yield chunk([ChatChunkChoice(index=s.index, delta=DeltaMessage(role="assistant", content=""))])
             async for s, text in self._updates(choices, run):
+                if call.tool_mode:
+                    # Whether the output is a call is known at its end: it goes out then, as content
+                    # or as tool_calls deltas (the name first, then the arguments).
+                    if s.done:
+                        for item in self._tool_chunks(call, s):
+                            yield chunk([item])
+                    continue
                 if not text and not s.done:
                     continue  # text held back; its tokens' logprobs go with the next chunk
                 ids, lps, tops = s.take_tokens()
@@ -259,6 +292,26 @@ class OpenAIServing:
         finally:
             await run.close()
         yield SSE_DONE
+
+    def _tool_chunks(self, call: _Call, s: SampleState) -> list[ChatChunkChoice]:
+        ids, lps, tops = s.take_tokens()
+        content, calls = tools.parse(s.text)
+        finish = _tool_finish(s.finish_reason, calls)
+        if not calls:
+            return [ChatChunkChoice(index=s.index, delta=DeltaMessage(content=s.text or None),
+                                    logprobs=self._chat_logprobs(call, ids, lps, tops),
+                                    finish_reason=finish, stop_reason=s.stop_reason)]
+        out = []
+        if content:
+            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(content=content)))
+        for i, c in enumerate(calls):
+            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(tool_calls=[DeltaToolCall(
+                index=i, id=c.id, type="function", function=DeltaFunctionCall(name=c.name, arguments=""))])))
+            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(tool_calls=[DeltaToolCall(
+                index=i, function=DeltaFunctionCall(arguments=c.arguments))])))
+        out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(), finish_reason=finish,
+                                   stop_reason=s.stop_reason))
+        return out
 
     async def _completion_events(self, call: _Call, choices: Choices, run: EngineRun) -> AsyncIterator[str]:
         def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
@@ -290,10 +343,15 @@ class OpenAIServing:
         yield SSE_DONE
 
 
+def _tool_finish(finish: str | None, calls: list[Any]) -> str | None:
+    """OpenAI ends an answer that is a call with ``tool_calls``, where it would have said ``stop``."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
 def _grammar_param(body: Any) -> str:
     """The request field a grammar came from, for the 400's ``param``."""
     for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar"):
+                 "guided_grammar", "tools"):
         if getattr(body, name, None) is not None:
             return name
     return "structured_outputs"

@@ -71,9 +71,16 @@ async def _one(pool: PoolClient, rid: str, prompt: list[int]) -> int:
     return cached
 
 
-async def _index_holds(pool: PoolClient, worker_id: str, blocks: int, timeout_s: float = 10.0) -> None:
+async def _index_holds(pool: PoolClient, worker_id: str, prompt: list[int], salt: str | None = None,
+                       timeout_s: float = 20.0) -> None:
+    """Wait until the workers' events have told the index that ``worker_id`` holds ``prompt``'s
+    system prompt (a prediction made when it was routed does not count: it may have expired)."""
+    hashes = pool._prompt_hashes(prompt, salt)[:PREFIX_BLOCKS]
     deadline = time.monotonic() + timeout_s
-    while pool.index.size(worker_id) < blocks:
+    while True:
+        w = pool.index._workers.get(worker_id)
+        if w is not None and all(h in w.hashes for h in hashes):
+            return
         assert time.monotonic() < deadline, f"the index never heard of {worker_id}'s blocks"
         await asyncio.sleep(0.05)
 
@@ -104,8 +111,8 @@ def test_shared_prefixes_land_where_their_blocks_are(four_workers, policy):
             seeds = {g: prefix + [rng.randrange(3, vocab) for _ in range(40 + g)] for g, prefix in enumerate(prefixes)}
             await asyncio.gather(*(_one(pool, f"seed-{g}", p) for g, p in seeds.items()))
             holder = {g: recorder.by_length[len(p)].first.worker_id for g, p in seeds.items()}
-            for wid in set(holder.values()):
-                await _index_holds(pool, wid, PREFIX_BLOCKS * list(holder.values()).count(wid))
+            for g, p in seeds.items():
+                await _index_holds(pool, holder[g], p, salt)
             # Then user turns, one request at a time so that every worker is idle when it is
             # routed: the holder saves the prefill and costs nothing more, so it must win.
             checked = []
@@ -169,7 +176,7 @@ def test_a_short_tail_is_prefilled_on_the_decode_worker_that_holds_its_prefix(fo
                     cached = max(cached, d.num_cached_tokens)
                 out.append((toks, cached, recorder.decisions[-1]))
                 if i == 0:
-                    await _index_holds(pool, recorder.decisions[-1].first.worker_id, PREFIX_BLOCKS)
+                    await _index_holds(pool, recorder.decisions[-1].first.worker_id, prompt)
             return out
         finally:
             await pool.stop()

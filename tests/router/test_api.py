@@ -240,7 +240,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     # fields this server does not implement are refused, never silently ignored
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [], "stream": True}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}], "stream": True}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),

@@ -128,9 +128,9 @@ def test_delta_serialization_keeps_only_set_keys():
 
 def test_a_field_this_server_does_not_implement_is_named_in_a_400():
     with pytest.raises(ValidationError) as exc:
-        ChatCompletionRequest.model_validate({"messages": USER, "tools": [{"type": "function"}]})
+        ChatCompletionRequest.model_validate({"messages": USER, "modalities": ["audio"]})
     err = validation_error(exc.value)
-    assert err.status_code == 400 and err.param == "tools" and "not supported" in err.message
+    assert err.status_code == 400 and err.param == "modalities" and "not supported" in err.message
     with pytest.raises(ValidationError) as exc:
         CompletionRequest.model_validate({"prompt": "x", "use_beam_search": True})
     assert validation_error(exc.value).param == "use_beam_search"

@@ -128,6 +128,11 @@ class Tokenizer:
         """sha256 of the chat template (of "" when there is none), for prefix-cache namespaces."""
         return hashlib.sha256((self.chat_template or "").encode("utf-8")).hexdigest()
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself (the HF convention)."""
+        return bool(self.chat_template and "tools" in self.chat_template)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
