@@ -138,7 +138,7 @@ class PoolClient:
         if self._overloaded:
             raise OverloadedError("the cluster's queues are full", retry_after_s=2.0)
         arrival = arrival_time or time.monotonic()
-        decision = self._route(prompt_token_ids, cache_salt, params)
+        decision, hashes = self._route(prompt_token_ids, cache_salt, params)
         first, decode = decision.first, decision.decode
         # Workers remember aborted ids for a while (a late add or KV must not run), and an abort
         # may land after a later request that reuses the id: so each attempt gets its own id.
@@ -170,6 +170,12 @@ class PoolClient:
                 if prefilling and (delta.token_ids or delta.finish_reason is not None):
                     prefilling = False
                     first.load.local_pending_prefill -= pending
+                    if delta.token_ids and hashes:
+                        # The prefill is done, however long it queued: the prediction made at routing
+                        # time must outlive it until the workers' events confirm the blocks.
+                        for w in (first, decode):
+                            if w is not None:
+                                self.index.predict(w.worker_id, hashes)
                     if delta.token_ids and self.metrics is not None:
                         self.metrics.observe_route_ttft(self.policy.name, decision.estimated_ttft_s,
                                                         time.monotonic() - arrival)
@@ -216,7 +222,9 @@ class PoolClient:
         return "colocated" in roles or {"prefill", "decode"} <= roles
 
     # ------------------------------------------------------------------ internals
-    def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams) -> Decision:
+    def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams
+               ) -> tuple[Decision, list[bytes]]:
+        """The policy's decision, and the prompt's block hashes (for renewing the index's prediction)."""
         alive = [w for w in self.workers.values() if w.alive]
         if self.colocated:
             first, decode = [w for w in alive if w.role == "colocated"], []
@@ -247,7 +255,7 @@ class PoolClient:
         if self.metrics is not None:
             self.metrics.observe_route(self.policy.name, decision.reason,
                                        decision.matched_blocks * (self._block_size or 0), len(prompt_token_ids))
-        return decision
+        return decision, hashes
 
     def _cache_layout(self) -> tuple[CacheNamespace | None, int, int]:
         """The prefix-cache namespace, block size and block bytes the workers report (None: they do not)."""
