@@ -300,26 +300,26 @@ class AssistantMessage(BaseModel):
         return out
 
 
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class _Sparse(BaseModel):
+    """A streamed delta: only the keys that are set appear."""
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class DeltaToolCall(BaseModel):
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
     """One streamed piece of a call: the first carries id, type and name; later ones argument text."""
 
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -339,16 +339,12 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Sparse):
     """A streamed message delta: only the keys that are set appear (``{}`` on the final chunk)."""
 
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
