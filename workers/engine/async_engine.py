@@ -92,12 +92,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------ public API
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
+                       arrival_time: float | None = None, tenant: str = "",
+                       ticket: Any = None) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until all ``n`` samples finish.
+
+        ``ticket`` (an admission ticket, when a gate runs in front) names the tenant when ``tenant``
+        does not; this engine has no KV admission of its own, so nothing else of it is used.
 
         Raises InvalidRequestError before queueing anything when the request cannot run.
         """
         self._raise_if_dead()
+        tenant = tenant or getattr(ticket, "tenant_name", "")
         self.engine.validate(prompt_token_ids, params)  # read-only: safe off the loop thread
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.n)
@@ -106,7 +111,7 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                        cache_salt=cache_salt, arrival_time=arrival)
+                                        cache_salt=cache_salt, arrival_time=arrival, tenant=tenant)
             except Exception as exc:  # duplicate id and the like: fail this stream only
                 self._streams.pop(request_id, None)
                 loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.engine.waiting_queue import POLICY_NAMES
+
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
@@ -20,6 +22,7 @@ class SchedulerConfig:
     max_prefill_chunk: int = 1 << 30  # per-request cap within one tick (long_prefill_token_threshold)
     policy: str = "fcfs"
     aging_seconds: float = 10.0
+    fair_quantum_tokens: int = 512  # policy "fair": tokens a tenant may admit per round, per class
     preemption_mode: str = "recompute"  # or "swap" (needs EngineConfig.swap_space_gib > 0)
 
     def __post_init__(self) -> None:
@@ -27,8 +30,10 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
                  self.max_num_batched_tokens)
         _require(self.max_prefill_chunk >= 1, "max_prefill_chunk", ">= 1", self.max_prefill_chunk)
-        _require(self.policy in ("fcfs", "priority"), "policy", "'fcfs' or 'priority'", self.policy)
+        _require(self.policy in POLICY_NAMES, "policy",
+                 " or ".join((", ".join(map(repr, POLICY_NAMES[:-1])), repr(POLICY_NAMES[-1]))), self.policy)
         _require(self.aging_seconds > 0, "aging_seconds", "> 0", self.aging_seconds)
+        _require(self.fair_quantum_tokens > 0, "fair_quantum_tokens", "> 0", self.fair_quantum_tokens)
         _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "'recompute' or 'swap'",
                  self.preemption_mode)
 

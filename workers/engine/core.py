@@ -78,10 +78,11 @@ class EngineCore(KVMigrationMixin):
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None, prefill_only: bool = False) -> None:
+                    arrival_time: float | None = None, prefill_only: bool = False, tenant: str = "") -> None:
         """Queue a request. Raises InvalidRequestError (nothing allocated) when it cannot run.
 
         ``prefill_only`` parks the request with its KV after the first token (disaggregated prefill).
+        ``tenant`` is who it shares its priority class with under the ``fair`` policy.
         """
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -94,7 +95,7 @@ class EngineCore(KVMigrationMixin):
         req = Request(member_id, list(prompt_token_ids), params, max_total,
                       arrival_time=arrival_time or time.monotonic(), priority=priority,
                       cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1,
-                      prefill_only=prefill_only)
+                      prefill_only=prefill_only, tenant=tenant)
         req.matcher = matcher
         self.groups[request_id] = RequestGroup(request_id, [member_id], len(prompt_token_ids))
         self._members[member_id] = req
@@ -251,7 +252,7 @@ class EngineCore(KVMigrationMixin):
                                     req.max_total_tokens, arrival_time=req.arrival_time,
                                     priority=req.priority, cache_salt=req.cache_salt,
                                     parent_id=group.request_id, index=idx,
-                                    prefill_only=req.prefill_only)
+                                    prefill_only=req.prefill_only, tenant=req.tenant)
                     child.matcher = req.matcher.copy() if req.matcher is not None else None
                     self.scheduler.fork(req, child)
                     group.member_ids.append(child.request_id)

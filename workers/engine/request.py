@@ -52,6 +52,7 @@ class Request:
     max_total_tokens: int  # prompt + output may not exceed this (context window / max_tokens)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    tenant: str = ""  # who shares a priority class fairly with whom (policy "fair"); "" is one tenant
     cache_salt: str | None = None
     parent_id: str | None = None  # the client request when n > 1
     index: int = 0  # position among the n samples
@@ -74,7 +75,9 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + self.index)
+            # mod 2**64: torch takes [-2**63, 2**64) and reads a negative seed as its two's complement,
+            # so every seed that fitted keeps its stream and a larger one (any int is valid) still works.
+            self.generator = torch.Generator().manual_seed((self.params.seed * 1_000_003 + self.index) % 2**64)
 
     @property
     def num_tokens(self) -> int:

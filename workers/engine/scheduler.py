@@ -69,7 +69,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.host_pool = host_pool  # swap space; None: every preemption recomputes
-        self.waiting: WaitingQueue = make_waiting_queue(config.policy, config.aging_seconds)
+        self.waiting: WaitingQueue = make_waiting_queue(config.policy, config.aging_seconds,
+                                                          quantum_tokens=config.fair_quantum_tokens)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total since start, for metrics and tests
@@ -174,6 +175,7 @@ class Scheduler:
                 out.swap_in.extend(zip(req.swapped_blocks, table))
                 self.host_pool.free(req.swapped_blocks)  # reused no earlier than the next tick
                 req.swapped_blocks = []
+            self.waiting.admitted(req)  # before the counters change: they are what it is charged
             self.waiting.remove(req)
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:

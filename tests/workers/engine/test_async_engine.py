@@ -94,6 +94,32 @@ def test_n_samples_finishing_in_the_same_step_all_arrive(async_engine):
     assert asyncio.run(asyncio.wait_for(main(), 30)) == {0: "length", 1: "length", 2: "length"}
 
 
+def test_the_tenant_reaches_every_sample_of_the_request(async_engine, monkeypatch):
+    eng, llm = async_engine
+    sched = eng.engine.scheduler
+    seen: list[tuple[str, str]] = []
+    add, fork = sched.add_request, sched.fork
+
+    def add_and_note(request):
+        seen.append((request.request_id, request.tenant))
+        add(request)
+
+    def fork_and_note(parent, child):
+        seen.append((child.request_id, child.tenant))
+        fork(parent, child)
+
+    monkeypatch.setattr(sched, "add_request", add_and_note)
+    monkeypatch.setattr(sched, "fork", fork_and_note)
+
+    async def main():
+        params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=2)
+        async for _ in eng.generate("t2", llm.tokenizer.encode("Hello"), params, tenant="acme"):
+            pass
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert seen == [("t2#0", "acme"), ("t2#1", "acme")]
+
+
 def test_a_factory_builds_the_engine_on_the_loop_thread(tiny_model_dir):
     """The Worker passes a factory so that model loading and every step share one thread."""
     from workers.engine.config import EngineConfig

@@ -1,4 +1,5 @@
-"""Scheduler tick with a null model: budgets, chunking, preemption, priority aging, no leaks."""
+"""Scheduler tick with a null model: budgets, chunking, preemption, priority aging, tenant fairness,
+no leaks."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from workers.sampling.params import SamplingParams
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0,
-         base: int = 0) -> Request:
+         base: int = 0, tenant: str = "") -> Request:
     prompt = [(base + i) % 50 + 3 for i in range(prompt_len)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens,
-                   arrival_time=arrival, priority=priority)
+                   arrival_time=arrival, priority=priority, tenant=tenant)
 
 
 def _advance(sched: Scheduler, out) -> list[Request]:
@@ -97,6 +98,42 @@ def test_priority_aging_lets_old_low_priority_request_through():
     assert "low" in served[5:7]
 
 
+def _admission_order(policy: str) -> list[str]:
+    """Tenant A floods ten requests, then B sends two; one sequence at a time, each done after its prefill."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, policy=policy, fair_quantum_tokens=8), BlockManager(64, 4))
+    for i in range(10):
+        sched.add_request(_req(f"a{i}", 8, 1, arrival=0.01 * i, base=10 * i, tenant="A"))
+    for i in range(2):
+        sched.add_request(_req(f"b{i}", 8, 1, arrival=1.0 + 0.01 * i, base=100 + 10 * i, tenant="B"))
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        order += [s.request.request_id for s in out.prefills]
+        _advance(sched, out)
+    return order
+
+
+def test_fair_interleaves_tenants_where_priority_serves_the_flood_first():
+    flood = [f"a{i}" for i in range(10)]
+    assert _admission_order("priority") == flood + ["b0", "b1"]
+    assert _admission_order("fair") == ["a0", "b0", "a1", "b1"] + flood[2:]
+
+
+def test_peeks_that_find_no_room_charge_no_one():
+    """A's first request fills the KV cache; B's, next in the round, is peeked and refused for room
+    every tick until it finishes. Those peeks cost B nothing: it still goes before A's second."""
+    sched = Scheduler(SchedulerConfig(policy="fair", fair_quantum_tokens=12), BlockManager(4, 4))
+    sched.add_request(_req("a0", 12, 4, arrival=0.0, tenant="A"))  # 3 blocks, then the 4th to decode
+    sched.add_request(_req("a1", 8, 1, arrival=0.01, base=20, tenant="A"))
+    sched.add_request(_req("b0", 8, 1, arrival=0.02, base=40, tenant="B"))
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        order += [s.request.request_id for s in out.prefills]
+        _advance(sched, out)
+    assert order == ["a0", "b0", "a1"]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     prompts=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
@@ -104,21 +141,23 @@ def test_priority_aging_lets_old_low_priority_request_through():
     num_blocks=st.integers(12, 40),
     budget=st.integers(1, 40),
     max_seqs=st.integers(1, 6),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "fair"]),
     abort_every=st.integers(0, 7),
     swap_blocks=st.sampled_from([0, 3, 16]),
+    quantum=st.integers(1, 64),
 )
 def test_random_workloads_respect_limits_and_never_leak(prompts, num_blocks, budget, max_seqs, policy,
-                                                         abort_every, swap_blocks):
+                                                         abort_every, swap_blocks, quantum):
     bm = BlockManager(num_blocks, 4)
     host = HostBlockPool(swap_blocks) if swap_blocks else None
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy,
+                                      fair_quantum_tokens=quantum,
                                       preemption_mode="swap" if host else "recompute"), bm, host)
     reqs = []
     for i, (plen, max_tokens, prio) in enumerate(prompts):
         if (plen + max_tokens + 3) // 4 > num_blocks:  # the engine rejects what can never fit
             continue
-        r = _req(str(i), plen, max_tokens, priority=prio, base=7 * (i % 3))
+        r = _req(str(i), plen, max_tokens, priority=prio, base=7 * (i % 3), tenant="AB"[i % 2])
         reqs.append(r)
         sched.add_request(r)
     steps = 0
