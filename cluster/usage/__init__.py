@@ -1,0 +1,25 @@
+"""Exactly-once usage records: one ``UsageRecord`` per response, kept by a ``UsageStore`` chosen by name."""
+
+from cluster.usage.record import COLUMNS, ENDPOINTS, UsageRecord
+from cluster.usage.sqlite_store import SQLiteUsageStore
+from cluster.usage.store import (
+    UsageStore,
+    UsageStoreClosed,
+    UsageStoreFactory,
+    make_usage_store,
+    register_usage_store,
+    usage_store_names,
+)
+
+__all__ = [
+    "COLUMNS",
+    "ENDPOINTS",
+    "SQLiteUsageStore",
+    "UsageRecord",
+    "UsageStore",
+    "UsageStoreClosed",
+    "UsageStoreFactory",
+    "make_usage_store",
+    "register_usage_store",
+    "usage_store_names",
+]
