@@ -11,9 +11,9 @@ the serving layer and the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from workers.errors import InvalidRequestError
 from workers.sampling.params import SamplingParams
@@ -22,6 +22,10 @@ from workers.sampling.structured.spec import StructuredSpec
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Tokenizers hold ids as u32 and fail on anything else before the engine's vocabulary check runs.
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 
 
 class StreamOptions(_Request):
@@ -57,14 +61,34 @@ class TextPart(_Request):
     text: str
 
 
+class CalledFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it; an object is accepted too
+
+
+class ToolCallParam(_Request):
+    """A call in an earlier assistant turn, as the client sends the history back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     """One turn; ``content`` is a string or a list of text parts (images are not supported)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _calls_from_assistant(self) -> ChatMessage:
+        # As in OpenAI's API; the tool-call fallback and chat templates render calls of assistant turns only.
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        return self
 
 
 class SamplingRequest(_Request):
@@ -74,7 +98,7 @@ class SamplingRequest(_Request):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=128)  # OpenAI's limit; each sample is an engine request
     stop: str | list[str] | None = None
     seed: int | None = None
     frequency_penalty: float = 0.0
@@ -237,7 +261,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = None

@@ -68,7 +68,8 @@ def test_message_content_parts_and_roles():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     req = ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": "s"}, {"role": "user", "content": parts},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "r", "tool_call_id": "1"}]})
     dumped = [m.model_dump(exclude_none=True) for m in req.messages]
     assert dumped[1]["content"] == parts and "content" not in dumped[2]

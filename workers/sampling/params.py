@@ -61,10 +61,12 @@ class SamplingParams:
         _check(
             0.0 < self.typical_p <= 1.0, "typical_p", f"typical_p must be in (0, 1], got {self.typical_p}"
         )
+        # Bounded, not just > 0: dividing logits by a tiny penalty overflows fp32 to inf, and the
+        # NaNs that follow fail the sampling step of the whole batch. Past 100x nothing useful changes.
         _check(
-            self.repetition_penalty > 0.0,
+            0.01 <= self.repetition_penalty <= 100.0,
             "repetition_penalty",
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}",
         )
         _check(
             -2.0 <= self.frequency_penalty <= 2.0,

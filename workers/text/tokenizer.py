@@ -159,7 +159,9 @@ class Tokenizer:
             return self._template.render(**context)
         except InvalidRequestError:
             raise
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:
+            # TypeError: the template did arithmetic on a value it did not expect, such as the None
+            # content of an assistant turn that only calls tools ('...' + message['content']).
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
 
 
