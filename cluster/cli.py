@@ -79,9 +79,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
-        "router.policy": args.routing_policy,
+        "router.policy": args.routing_policy, "server.api_key": args.api_key,
+        "server.tenants": str(Path(args.tenants).resolve()) if args.tenants else None,
     })
+    if config.server.tenants and not Path(config.server.tenants).is_absolute():
+        # A relative tenants path in a config file is read beside the file, wherever serve runs.
+        base = Path(args.config).resolve().parent if args.config else Path.cwd()
+        config = config.with_overrides(**{"server.tenants": str(base / config.server.tenants)})
     return serve(config)
+
+
+def _cmd_keys_hash(args: argparse.Namespace) -> int:
+    from cluster.admission.tenants import hash_key, key_id
+
+    key = args.key if args.key != "-" else sys.stdin.readline().strip()
+    digest = hash_key(key)
+    print(f"{digest}  # {key_id(digest)}")
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -209,7 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None, help="Ray address to join ('auto' for a running cluster)")
     srv.add_argument("--routing-policy", default=None, metavar="NAME",
                      help="how requests pick workers: cost (default), prefix, least_loaded, round_robin")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' (one key, one tenant; also $BATON_API_KEY)")
+    srv.add_argument("--tenants", default=None, metavar="FILE",
+                     help="a tenants file (TOML): hashed keys, rates, budgets and priority classes")
     srv.set_defaults(func=_cmd_serve)
+
+    keys = sub.add_parser("keys", help="API key helpers")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    khash = keys_sub.add_parser("hash", help="print the sha256:<hex> digest a tenants file stores for KEY")
+    khash.add_argument("key", help="the key, or - to read it from standard input (keeps it out of the history)")
+    khash.set_defaults(func=_cmd_keys_hash)
 
     conv = sub.add_parser("convert", help="convert a GGUF (default: the embedded model) to a HF folder, "
                           "or write a weight-only quantised copy of a model (--quantize)")

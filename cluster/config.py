@@ -24,6 +24,9 @@ class EngineSection(BaseModel):
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = Field(
+        "fair", description="the workers' waiting queues: fcfs; priority (lower first, with aging); fair: "
+        "priority classes, and tenants within a class served by deficit round robin over tokens")
     threads_per_worker: int | Literal["auto"] = Field(
         "auto", description="a worker's torch/OpenMP threads; auto fills the cores it is given: "
         "pools.cpus_per_worker where set, else every core of its machine")
@@ -95,6 +98,55 @@ class ServerSection(BaseModel):
     max_queued_requests: int = Field(512, ge=1, description="reject with 429 beyond this many waiting")
     model_name: str | None = None
     num_frontends: int = Field(1, ge=1, description="HTTP front replicas (Ray actors) sharing the port")
+    api_key: str | None = Field(None, description="one key, one tenant (vLLM's --api-key); also BATON_API_KEY")
+    tenants: str | None = Field(None, description="a tenants file (TOML): keys, rates, budgets, classes")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies get 413")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long open streams may finish")
+    protect_metrics: bool = Field(False, description="/metrics needs an admin key (a tenant key without "
+                                  "an [admin] table in the tenants file)")
+    protect_probes: bool = Field(False, description="/health and /ready need an admin key too")
+    idempotency_ttl_s: float = Field(3600.0, gt=0, description="how long a finished Idempotency-Key "
+                                     "response is kept for retries")
+    idempotency_grace_s: float = Field(5.0, ge=0, description="an idempotent run nobody listens to is "
+                                       "aborted after this long")
+
+
+class AdmissionSection(BaseModel):
+    """Stage 2: KV reservations on the worker that keeps a request's cache (``cluster.admission.kv``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str = Field("reserve", description="an admission policy's name: reserve, unlimited")
+    reserve_fraction: float = Field(1.0, gt=0, le=1, description="share of max_tokens reserved up front; "
+                                    "below 1, preemption is the safety net")
+    queue_timeout_s: float = Field(30.0, gt=0, description="a request queued this long for KV room gets 429")
+    max_queued_per_class: int = Field(256, ge=1, description="queued requests per priority class")
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        from cluster.admission.kv import admission_policies
+
+        if value not in admission_policies():
+            raise ValueError(f"unknown admission policy {value!r}; known: {', '.join(admission_policies())}")
+        return value
+
+
+class UsageSection(BaseModel):
+    """Where the usage records go (``cluster.usage``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    store: str = Field("sqlite", description="a usage store's name")
+    path: str | None = Field(None, description="sqlite: the database file (default: usage.sqlite3 in "
+                             "the Baton cache folder)")
+
+    @field_validator("store")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        from cluster.usage import usage_store_names
+
+        if value not in usage_store_names():
+            raise ValueError(f"unknown usage store {value!r}; known: {', '.join(usage_store_names())}")
+        return value
 
 
 class RouterSection(BaseModel):
@@ -139,7 +191,8 @@ class RaySection(BaseModel):
 
 
 class ClusterConfig(BaseModel):
-    """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[router]``, ``[ray]``."""
+    """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[router]``,
+    ``[admission]``, ``[usage]``, ``[ray]``."""
 
     model_config = ConfigDict(extra="forbid")
     engine: EngineSection = EngineSection()
@@ -147,6 +200,8 @@ class ClusterConfig(BaseModel):
     kv_transfer: KVTransferSection = KVTransferSection()
     server: ServerSection = ServerSection()
     router: RouterSection = RouterSection()
+    admission: AdmissionSection = AdmissionSection()
+    usage: UsageSection = UsageSection()
     ray: RaySection = RaySection()
 
     @property

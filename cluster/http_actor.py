@@ -4,9 +4,13 @@ same worker pools, each with its own outbox on every worker.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
+from cluster.admission.front import FrontAdmission, drain
+from cluster.config import RouterSection
 from cluster.metered_client import MeteredClient
 from cluster.metrics import Metrics
 from cluster.pool_client import PoolClient, WorkerRef
@@ -15,38 +19,93 @@ from workers.engine.validation import RequestLimits
 log = logging.getLogger("baton.http")
 
 
+@dataclass
+class Front:
+    """What one HTTP front is made of: the app and the parts a drain or a test reaches into."""
+
+    app: Any
+    pool: PoolClient
+    metrics: Metrics
+    admission: FrontAdmission
+    loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once it runs
+
+
+def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, model_path: str, model_name: str,
+                controller: Any = None, sole_front: bool = True, num_fronts: int = 1) -> Front:
+    """Pool client, metrics, admission and the OpenAI app of one front, from a ``ClusterConfig``."""
+    from router.api import build_app
+    from router.gateway import Gateway
+    from router.idempotency import IdempotencyStore
+    from workers.text.tokenizer import Tokenizer
+
+    metrics = Metrics(model_name)
+    block_size = int(workers[0].info.get("block_size", 16)) if workers else 16
+    admission = FrontAdmission.build(config, workers, block_size, model_name, num_fronts, metrics)
+    router = config.router
+    pool = PoolClient(workers, limits, max_queued=config.server.max_queued_requests,
+                      on_stats=metrics.on_worker_stats, controller=controller, metrics=metrics,
+                      policy=router.make_policy(), events_interval_s=router.events_interval_s,
+                      index_ttl_s=router.index_ttl_s, sole_front=sole_front, admission=admission.kv)
+    server = config.server
+    gateway = Gateway(admission.gate, IdempotencyStore(ttl_s=server.idempotency_ttl_s,
+                                                       grace_s=server.idempotency_grace_s))
+    tokenizer = Tokenizer.from_folder(model_path)
+    front = Front(None, pool, metrics, admission)
+
+    def remember_loop() -> None:
+        front.loop = asyncio.get_running_loop()
+
+    front.app = build_app(MeteredClient(pool, metrics), tokenizer, model_name, limits.max_model_len,
+                          ready=pool.ready, metrics_registry=metrics.registry,
+                          on_startup=[remember_loop, pool.start], on_shutdown=[pool.stop], gateway=gateway,
+                          admin=admission.directory.is_admin if server.protect_metrics else None,
+                          protect_probes=server.protect_probes)
+    return front
+
+
 class HTTPFront:
-    """Builds a pool client, metrics and the OpenAI app, and serves it on ``host:port``."""
+    """Builds a pool client, metrics, admission and the OpenAI app, and serves it on ``host:port``."""
 
     def __init__(self, workers: list[dict[str, Any]], limits: dict[str, int], model_path: str,
                  model_name: str, host: str, port: int, max_queued: int, controller: Any = None,
-                 reuse_port: bool = False, routing: dict[str, Any] | None = None) -> None:
-        from cluster.config import RouterSection
-        from router.api import build_app
+                 reuse_port: bool = False, routing: dict[str, Any] | None = None,
+                 config: dict[str, Any] | None = None, num_fronts: int = 1) -> None:
+        from cluster.config import ClusterConfig
         from router.server import ServerThread
-        from workers.text.tokenizer import Tokenizer
 
         refs = [WorkerRef(w["worker_id"], w["role"], w["handle"], w["info"]) for w in workers]
-        self.metrics = Metrics(model_name)
-        metrics = self.metrics
-        router = RouterSection.model_validate(routing or {})
-        self.pool = PoolClient(refs, RequestLimits(**limits), max_queued=max_queued,
-                               on_stats=metrics.on_worker_stats, controller=controller, metrics=metrics,
-                               policy=router.make_policy(), events_interval_s=router.events_interval_s,
-                               index_ttl_s=router.index_ttl_s, sole_front=not reuse_port)
-        tokenizer = Tokenizer.from_folder(model_path)
-        app = build_app(MeteredClient(self.pool, metrics), tokenizer, model_name, limits["max_model_len"],
-                        ready=self.pool.ready, metrics_registry=metrics.registry,
-                        on_startup=[self.pool.start], on_shutdown=[self.pool.stop])
-        self.server = ServerThread(app, host=host, port=port, log_level="warning", reuse_port=reuse_port)
+        cfg = ClusterConfig.model_validate(config or {})
+        cfg = cfg.with_overrides(**{"server.max_queued_requests": max_queued})
+        if routing is not None:
+            cfg = cfg.model_copy(update={"router": RouterSection.model_validate(routing)})
+        self.front = build_front(cfg, refs, RequestLimits(**limits), model_path, model_name, controller,
+                                 sole_front=not reuse_port, num_fronts=num_fronts)
+        self.metrics, self.pool = self.front.metrics, self.front.pool
+        self.drain_timeout_s = cfg.server.drain_timeout_s
+        self.server = ServerThread(self.front.app, host=host, port=port, log_level="warning", reuse_port=reuse_port,
+                                   graceful_timeout_s=5.0)
         self.server.start()
 
     def url(self) -> str:
         return self.server.url
 
+    def drain(self, timeout_s: float | None = None) -> int:
+        """SIGTERM: ``/ready`` 503 and new requests 503 at once; open streams get ``timeout_s``
+        (``[server] drain_timeout_s``) to finish, then end with finish_reason "abort". Returns how
+        many were aborted; every usage record is on disk when it returns."""
+        timeout = self.drain_timeout_s if timeout_s is None else timeout_s
+        self.front.admission.drain_begin()
+        aborted = 0
+        if self.front.loop is not None:
+            future = asyncio.run_coroutine_threadsafe(drain(self.front.admission, self.pool, timeout), self.front.loop)
+            aborted = future.result(timeout + 30)
+        self.front.admission.close()
+        return aborted
+
     def stop(self) -> None:
         """Stop accepting, give open streams the graceful timeout, then stop polling workers."""
         self.server.stop()
+        self.front.admission.close()
 
 
 def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str, max_queued: int,
@@ -63,10 +122,22 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=4, scheduling_strategy=here)
+    config = cluster.config.model_dump()
     fronts = [actor.remote(workers, limits, str(cluster.model_path), model_name, host, port, max_queued,
-                           cluster.controller, count > 1, routing) for _ in range(count)]
+                           cluster.controller, count > 1, routing, config, count) for _ in range(count)]
     ray.get([f.url.remote() for f in fronts])
     return fronts
+
+
+def drain_fronts(fronts: list[Any], timeout_s: float) -> int:
+    """Drain every front at once (see ``HTTPFront.drain``); returns the requests aborted."""
+    import ray
+
+    try:
+        return sum(ray.get([f.drain.remote(timeout_s) for f in fronts], timeout=timeout_s + 60))
+    except Exception as exc:  # a front that died or hangs is stopped and killed anyway
+        log.warning("front did not drain cleanly: %r", exc)
+        return 0
 
 
 def stop_fronts(fronts: list[Any], timeout_s: float = 30.0) -> None:

@@ -7,6 +7,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,8 @@ class Cluster:
         self.controller: Any = None
         self._started_ray = False
         self._board: Path | None = None  # the core-share board of workers sharing this machine
+        # The workers' output sockets serve only fronts that know it (one per deployment).
+        self.front_secret = secrets.token_hex(16)
 
     def roles(self) -> list[str]:
         p = self.config.pools
@@ -162,7 +165,8 @@ class Cluster:
         from workers.actor.worker import Worker
 
         eng = self.config.engine
-        engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait"})
+        engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait", "scheduling_policy"})
+        engine_kwargs["policy"] = eng.scheduling_policy  # SchedulerConfig's name for it
         threads = worker_threads(self.config)
         roles = self.roles()
         mode, omp_env = openmp_plan(self.config, len(roles))  # config errors before Ray starts
@@ -201,7 +205,7 @@ class Cluster:
                 **actor_options(self.config, role), max_concurrency=32,
                 runtime_env={"env_vars": env}, name=None,
             ).remote(wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
-                     self.config.kv_transfer.timeout_s, core_share=share)
+                     self.config.kv_transfer.timeout_s, core_share=share, front_secret=self.front_secret)
             pending.append((wid, role, handle))
         infos = ray.get([h.info.remote() for _, _, h in pending])
         self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]

@@ -24,14 +24,14 @@ class MeteredClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
+                       arrival_time: float | None = None, ticket: Any = None) -> AsyncIterator[TokenDelta]:
         arrival = arrival_time or time.monotonic()
         token_times: list[float] = []
         output_tokens = 0
         finish: str | None = None
         try:
             async for d in self.inner.generate(request_id, prompt_token_ids, params, priority, cache_salt,
-                                               arrival):
+                                               arrival, ticket=ticket):
                 if d.token_ids:
                     now = time.monotonic()
                     if d.index == 0:  # latency metrics follow the first sample, as clients see it

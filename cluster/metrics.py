@@ -49,14 +49,28 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("baton:e2e_request_latency_seconds", "Arrival to last token", m,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("baton:request_queue_time_seconds", "Arrival to first scheduling",
+        self.queue_time = Histogram("baton:request_queue_time_seconds", "Seconds a request waited in "
+                                    "admission's queue for KV room (0 when admitted at once)",
                                     m, buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter("baton:generation_tokens", "Output tokens generated", m, registry=r)
         self.request_success = Counter("baton:request_success", "Finished requests by finish reason",
                                        m + ["finished_reason"], registry=r)
-        self.request_rejected = Counter("baton:request_rejected", "Requests rejected at admission",
-                                        m + ["reason"], registry=r)
+        self.request_rejected = Counter("baton:requests_rejected", "Requests refused at admission, by "
+                                        "reason (unauthenticated, tenant_request_rate, tenant_token_rate, "
+                                        "queue_full, kv_queue_full, queue_deadline, draining, ...)",
+                                        m + ["reason", "tenant"], registry=r)
+        self.tenant_prompt_tokens = Counter("baton:tenant_prompt_tokens", "Prompt tokens of finished "
+                                            "requests, per tenant", ["tenant"], registry=r)
+        self.tenant_generation_tokens = Counter("baton:tenant_generation_tokens", "Output tokens of "
+                                                "finished requests, per tenant", ["tenant"], registry=r)
+        self.admission_queue_depth = Gauge("baton:admission_queue_depth", "Requests queued for KV room at "
+                                           "this front, per priority class", ["priority"], registry=r)
+        self.kv_reserved_blocks = Gauge("baton:kv_reserved_blocks", "KV blocks this front's admitted "
+                                        "requests hold in the worker's reservation ledger", ["worker"],
+                                        registry=r)
+        self.kv_reservable_blocks = Gauge("baton:kv_reservable_blocks", "The worker's KV blocks this front "
+                                          "may reserve (its share of them)", ["worker"], registry=r)
         self.running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w,
                              registry=r)
         self.paused = Gauge("baton:num_requests_paused", "Requests descheduled because their reader fell "
@@ -129,6 +143,29 @@ class Metrics:
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(output_tokens)
         self.request_success.labels(m, finish_reason or "abort").inc()
+
+    def observe_rejected(self, reason: str, tenant: str) -> None:
+        """The ingress gate's or stage 2's ``on_reject`` hook."""
+        self.request_rejected.labels(self.model_name, reason, tenant).inc()
+
+    def observe_tenant_finish(self, ticket: Any, prompt_tokens: int, completion_tokens: int) -> None:
+        """The gate's ``on_finish`` hook: per-tenant tokens and the time queued for KV room."""
+        self.tenant_prompt_tokens.labels(ticket.tenant_name).inc(prompt_tokens)
+        self.tenant_generation_tokens.labels(ticket.tenant_name).inc(completion_tokens)
+        self.queue_time.labels(self.model_name).observe(ticket.queue_time_s)
+
+    def observe_admission_queue(self, depths: dict[int, int]) -> None:
+        seen = set()
+        for priority, depth in depths.items():
+            self.admission_queue_depth.labels(str(priority)).set(depth)
+            seen.add(str(priority))
+        for labels in list(self.admission_queue_depth._metrics):  # classes whose queue emptied
+            if labels[0] not in seen:
+                self.admission_queue_depth.labels(*labels).set(0)
+
+    def observe_ledger(self, worker: str, reserved: int, capacity: int) -> None:
+        self.kv_reserved_blocks.labels(worker).set(reserved)
+        self.kv_reservable_blocks.labels(worker).set(capacity)
 
     def on_worker_stats(self, worker: Any, stats: dict[str, Any] | None) -> None:
         """``PoolClient``'s ``on_stats`` hook: a worker's stats dict, or None when it is down."""

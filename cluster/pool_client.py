@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,7 +23,7 @@ from router.prefix_index import PrefixIndex
 from router.routing import Candidates, Decision, RouteRequest, RoutingPolicy, WorkerLoad, make_policy
 from router.routing.cost_model import CostModel
 from workers.actor.messages import decode_deltas, params_to_dict
-from workers.actor.output_stream import FRAME, frame
+from workers.actor.output_stream import FRAME, frame, hello_payload
 from workers.blocks.prefix_hash import CacheNamespace, block_hashes
 from workers.engine.outputs import TokenDelta
 from workers.engine.validation import RequestLimits
@@ -56,6 +57,7 @@ class _Stream:
     prefill_id: str | None = None  # the prefill worker, until every sample has reached the decode worker
     decode_id: str | None = None
     handed: set[int] = field(default_factory=set)  # samples the decode worker has sent deltas for
+    finished: set[int] = field(default_factory=set)  # samples whose final delta went to the caller
 
 
 class PoolClient:
@@ -77,7 +79,7 @@ class PoolClient:
     def __init__(self, workers: list[WorkerRef], limits: RequestLimits, max_queued: int = 512,
                  policy: RoutingPolicy | str = "cost", on_stats: Any = None, controller: Any = None,
                  metrics: Any = None, events_interval_s: float = 0.25, index_ttl_s: float = 10.0,
-                 sole_front: bool = True) -> None:
+                 sole_front: bool = True, admission: Any = None) -> None:
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.load.sole_front = sole_front
@@ -99,6 +101,7 @@ class PoolClient:
         self.controller = controller  # GlobalController handle, or None to ask workers directly
         self._overloaded = False
         self._writers: list[asyncio.StreamWriter] = []
+        self.admission = admission  # cluster.admission.kv.KVAdmission: stage 2, or None to admit all
 
     @property
     def colocated(self) -> bool:
@@ -129,7 +132,7 @@ class PoolClient:
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
+                       arrival_time: float | None = None, ticket: Any = None) -> AsyncIterator[TokenDelta]:
         self.limits.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -138,12 +141,27 @@ class PoolClient:
         if self._overloaded:
             raise OverloadedError("the cluster's queues are full", retry_after_s=2.0)
         arrival = arrival_time or time.monotonic()
-        decision, hashes = self._route(prompt_token_ids, cache_salt, params)
-        first, decode = decision.first, decision.decode
         # Workers remember aborted ids for a while (a late add or KV must not run), and an abort
         # may land after a later request that reuses the id: so each attempt gets its own id.
         self._attempts += 1
         wire_id = f"{request_id}~{self.front_id[6:]}.{self._attempts}"
+        self._streams[request_id] = placeholder = _Stream(asyncio.Queue(), params.n, set(), wire_id)
+        try:
+            decision, hashes = self._route(prompt_token_ids, cache_salt, params)
+            if self.admission is not None:
+                decision, hashes, params = await self._admit(wire_id, prompt_token_ids, cache_salt, params,
+                                                             priority, ticket, decision, hashes)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if self.admission is not None:
+                self.admission.release(wire_id)
+            raise
+        if self._streams.get(request_id) is not placeholder:  # aborted (drain) while it queued
+            self.admission is not None and self.admission.release(wire_id)
+            for i in range(params.n):
+                yield TokenDelta(request_id, i, [], finish_reason="abort", stop_reason="aborted while queued")
+            return
+        first, decode = decision.first, decision.decode
         stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()),
                          wire_id, n=params.n, prefill_id=first.worker_id if decode else None,
                          decode_id=decode.worker_id if decode else None)
@@ -160,7 +178,8 @@ class PoolClient:
         try:
             await first.handle.add_request.remote(
                 wire_id, prompt_token_ids, params_to_dict(params), priority, cache_salt,
-                time.monotonic() - arrival, decode.worker_id if decode else None, self.front_id)
+                time.monotonic() - arrival, decode.worker_id if decode else None, self.front_id,
+                getattr(ticket, "tenant_name", ""))
             while True:
                 delta = await stream.queue.get()
                 if isinstance(delta, BaseException):
@@ -180,6 +199,10 @@ class PoolClient:
                         self.metrics.observe_route_ttft(self.policy.name, decision.estimated_ttft_s,
                                                         time.monotonic() - arrival)
                 delta.request_id = request_id
+                if delta.finish_reason is not None:
+                    if delta.index in stream.finished:
+                        continue  # already ended here (an abort-all raced the worker's own end)
+                    stream.finished.add(delta.index)
                 yield delta
                 if delta.finish_reason is not None:
                     stream.remaining -= 1
@@ -194,6 +217,8 @@ class PoolClient:
                 first.load.local_pending_prefill -= pending
             if decode is not None:
                 decode.load.outstanding -= 1
+            if self.admission is not None:
+                self.admission.release(wire_id)
             if not done:
                 self._abort_on_workers(wire_id, stream.workers)
 
@@ -202,6 +227,53 @@ class PoolClient:
         stream = self._streams.get(request_id)
         if stream is not None:
             self._abort_on_workers(stream.wire_id, stream.workers)
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight with ``finish_reason`` "abort" (drain): the workers stop
+        them, and each unfinished sample's stream gets its final delta now. Returns how many."""
+        for stream in list(self._streams.values()):
+            self._abort_on_workers(stream.wire_id, stream.workers)
+            for i in range(stream.n):
+                if i not in stream.finished:
+                    stream.queue.put_nowait(TokenDelta(stream.wire_id, i, [], finish_reason="abort",
+                                                       stop_reason=reason))
+        count = len(self._streams)
+        self._streams.clear()  # requests still queued at stage 2 see this and end too
+        return count
+
+    async def _admit(self, wire_id: str, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
+                     priority: int, ticket: Any, decision: Decision, hashes: list[bytes]
+                     ) -> tuple[Decision, list[bytes], SamplingParams]:
+        """Stage 2: reserve the request's KV on the worker that keeps it; re-route when the
+        reservation landed elsewhere or waited (the first choice is stale by then)."""
+        from cluster.admission.kv import KVDemand
+
+        role = "colocated" if self.colocated else "decode"
+        keeper = decision.decode or decision.first
+        tenant = getattr(ticket, "tenant", None)
+        if tenant is None:
+            from cluster.admission.tenants import ANONYMOUS, Tenant
+
+            tenant = Tenant(ANONYMOUS)
+        max_tokens = self._max_tokens(len(prompt_token_ids), params)
+        demand = KVDemand(wire_id, tenant, len(prompt_token_ids), max_tokens, params.n, priority)
+        held = await self.admission.reserve(
+            demand, lambda: [w.worker_id for w in self.workers.values() if w.alive and w.role == role],
+            lambda: keeper.worker_id if keeper.alive else None)
+        if held.degraded:
+            params = dataclasses.replace(params, max_tokens=held.max_tokens)
+            if ticket is not None:
+                ticket.degraded["max_tokens"] = held.max_tokens
+        if ticket is not None:
+            ticket.queue_time_s += held.queued_s
+            ticket.charge_tokens(len(prompt_token_ids) + held.max_tokens * params.n)
+        if held.worker_id != keeper.worker_id or held.queued_s > 0:
+            decision, hashes = self._route(prompt_token_ids, salt, params, keeper=held.worker_id)
+        return decision, hashes, params
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.limits.max_model_len - prompt_len
+        return max(min(params.max_tokens if params.max_tokens is not None else room, room), 1)
 
     def _abort_on_workers(self, wire_id: str, workers: set[str]) -> None:
         for wid in workers:
@@ -222,17 +294,20 @@ class PoolClient:
         return "colocated" in roles or {"prefill", "decode"} <= roles
 
     # ------------------------------------------------------------------ internals
-    def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams
-               ) -> tuple[Decision, list[bytes]]:
-        """The policy's decision, and the prompt's block hashes (for renewing the index's prediction)."""
+    def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
+               keeper: str | None = None) -> tuple[Decision, list[bytes]]:
+        """The policy's decision, and the prompt's block hashes (for renewing the index's prediction).
+
+        ``keeper``: the worker that must hold the KV (where stage 2 reserved it).
+        """
         alive = [w for w in self.workers.values() if w.alive]
         if self.colocated:
-            first, decode = [w for w in alive if w.role == "colocated"], []
+            first, decode = [w for w in alive if w.role == "colocated" and keeper in (None, w.worker_id)], []
             if not first:
                 raise OverloadedError("no colocated worker is alive", retry_after_s=5.0)
         else:
             first = [w for w in alive if w.role == "prefill"]
-            decode = [w for w in alive if w.role == "decode"]
+            decode = [w for w in alive if w.role == "decode" and keeper in (None, w.worker_id)]
             if not first or not decode:
                 raise OverloadedError("a pool has no live worker", retry_after_s=5.0)
         hashes = self._prompt_hashes(prompt_token_ids, salt)
@@ -314,7 +389,9 @@ class PoolClient:
         async def hello() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             reader, writer = await asyncio.open_connection(address[0], int(address[1]))
             try:
-                writer.write(frame(self.front_id.encode()))
+                # The secret comes with the worker's info, over Ray: only members of the Ray cluster
+                # can read it, and only its holders can read the worker's output socket.
+                writer.write(frame(hello_payload(self.front_id, w.info.get("output_secret", ""))))
                 # The worker answers once it has registered us: from then on nothing goes to an
                 # outbox that nobody polls. The answer carries what that outbox held.
                 self._deliver(decode_deltas(await self._read_frame(reader)), w.worker_id)

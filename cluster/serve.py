@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.http_actor import Front, build_front
 from cluster.launcher import Cluster
-from cluster.metered_client import MeteredClient
 from cluster.metrics import Metrics
 from cluster.pool_client import PoolClient
 
@@ -19,35 +19,28 @@ log = logging.getLogger("baton.serve")
 
 
 class Deployment:
-    """A running cluster plus its front: workers, pool client, metrics, and the ASGI app."""
+    """A running cluster plus its front in this process: workers, pool client, metrics, admission,
+    and the ASGI app (benchmarks and tests serve it on a thread)."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.cluster = Cluster(config)
+        self.front: Front | None = None
         self.app: Any = None
         self.pool: PoolClient | None = None
         self.metrics: Metrics | None = None
 
     def start(self) -> Deployment:
-        from router.api import build_app
-        from workers.text.tokenizer import Tokenizer
-
         self.cluster.start()
         model_name = self.config.server.model_name or self.cluster.model_path.name
-        self.metrics = Metrics(model_name)
-        self.pool = PoolClient(self.cluster.workers, self.cluster.limits,
-                               max_queued=self.config.server.max_queued_requests,
-                               on_stats=self.metrics.on_worker_stats,
-                               controller=self.cluster.controller, metrics=self.metrics,
-                               **pool_routing(self.config))
-        tokenizer = Tokenizer.from_folder(self.cluster.model_path)
-        self.app = build_app(MeteredClient(self.pool, self.metrics), tokenizer, model_name,
-                             self.cluster.limits.max_model_len, ready=self.pool.ready,
-                             metrics_registry=self.metrics.registry,
-                             on_startup=[self.pool.start], on_shutdown=[self.pool.stop])
+        self.front = build_front(self.config, self.cluster.workers, self.cluster.limits,
+                                 str(self.cluster.model_path), model_name, self.cluster.controller)
+        self.app, self.pool, self.metrics = self.front.app, self.front.pool, self.front.metrics
         return self
 
     def stop(self) -> None:
+        if self.front is not None:
+            self.front.admission.close()
         self.cluster.stop()
 
 
@@ -57,17 +50,24 @@ def serve(config: ClusterConfig) -> int:
     The HTTP fronts are Ray actors (``server.num_frontends`` of them share the port); this
     process only starts things, waits for a signal, and tears down.
     """
-    from cluster.http_actor import start_fronts, stop_fronts
+    from cluster.admission.front import tenant_directory
+    from cluster.http_actor import drain_fronts, start_fronts, stop_fronts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signal()
+    tenants = tenant_directory(config.server)  # a bad tenants file fails before any actor starts
     cluster = Cluster(config)
     fronts: list[Any] = []
     try:
         cluster.start()
+        on_signal()  # ray.init installs its own SIGTERM handler (which aborts the process): ours again
         host, port = config.server.host, config.server.port
         model_name = config.server.model_name or cluster.model_path.name
         fronts = start_fronts(cluster, config.server.num_frontends, host, port, model_name,
@@ -76,20 +76,21 @@ def serve(config: ClusterConfig) -> int:
                 else f"{config.pools.prefill} prefill + {config.pools.decode} decode")
         print(f"Baton serving {model_name} ({mode} workers, {len(fronts)} HTTP front"
               f"{'s' if len(fronts) > 1 else ''}) at http://{reachable_host(host)}:{port}/v1", flush=True)
-        print(f"ready in {time.monotonic() - started:.1f}s; Ctrl-C to stop", flush=True)
+        auth = ("open: no API key" if tenants.open else
+                f"{len(tenants.tenants)} tenant{'s' if len(tenants.tenants) > 1 else ''}, API keys required")
+        print(f"ready in {time.monotonic() - started:.1f}s ({auth}); Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
+        print(f"draining: new requests get 503, open ones have {config.server.drain_timeout_s:g}s",
+              file=sys.stderr, flush=True)
+        aborted = drain_fronts(fronts, config.server.drain_timeout_s)
+        if aborted:
+            print(f"drain: {aborted} requests ended with finish_reason abort", file=sys.stderr, flush=True)
     finally:
-        print("draining HTTP fronts and shutting down workers", file=sys.stderr, flush=True)
+        print("stopping HTTP fronts and shutting down workers", file=sys.stderr, flush=True)
         stop_fronts(fronts)
         cluster.stop()
     return 0
-
-
-def pool_routing(config: ClusterConfig) -> dict[str, Any]:
-    """``PoolClient`` keyword arguments from the ``[router]`` section."""
-    r = config.router
-    return {"policy": r.make_policy(), "events_interval_s": r.events_interval_s, "index_ttl_s": r.index_ttl_s}
 
 
 def reachable_host(host: str) -> str:

@@ -7,17 +7,17 @@ process (or a test) can run several apps side by side.
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from router.engine_client import EngineClient
-from router.errors import APIError, install_error_handlers, validation_error
+from router.errors import APIError, install_error_handlers
+from router.gateway import GateMiddleware, Gateway
+from router.openapi import json_body
 from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.serving import OpenAIServing
 from workers.text.tokenizer import Tokenizer
@@ -26,14 +26,19 @@ from workers.text.tokenizer import Tokenizer
 def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
               ready: Callable[[], bool] | None = None, metrics_registry: Any = None,
               queue_size: int = 64, on_startup: Sequence[Callable[[], Any]] = (),
-              on_shutdown: Sequence[Callable[[], Any]] = ()) -> FastAPI:
+              on_shutdown: Sequence[Callable[[], Any]] = (), gateway: Gateway | None = None,
+              admin: Callable[[str | None], bool] | None = None, protect_probes: bool = False) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``client``.
 
-    ``ready`` gates ``GET /ready`` (None: ready as soon as the app serves). ``GET /metrics`` exists
-    only when a ``prometheus_client`` registry is given. ``queue_size`` bounds the deltas buffered
-    per request between the engine and a slow SSE reader. ``on_startup``/``on_shutdown`` callables
-    (plain or async) run on the server's event loop in the ASGI lifespan, in order.
+    ``ready`` gates ``GET /ready`` (None: ready as soon as the app serves); a draining gate makes
+    it 503 too. ``GET /metrics`` exists only when a ``prometheus_client`` registry is given.
+    ``queue_size`` bounds the deltas buffered per request between the engine and a slow SSE reader.
+    ``gateway`` admits requests (``router.gateway``; None: everyone, no idempotency). ``admin``
+    checks an ``Authorization`` header for ``/metrics`` (and, with ``protect_probes``, ``/health``
+    and ``/ready``); None leaves them open. ``on_startup``/``on_shutdown`` callables (plain or
+    async) run on the server's event loop in the ASGI lifespan, in order.
     """
+    gateway = gateway or Gateway()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +47,7 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
         try:
             yield
         finally:
+            await gateway.close()
             for hook in on_shutdown:
                 await _call(hook)
 
@@ -50,13 +56,13 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
     app.state.serving = serving
     install_error_handlers(app)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, **json_body(app, ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await _parse(request, ChatCompletionRequest), request)
+        return await gateway.handle(request, ChatCompletionRequest, serving.chat, "chat")
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, **json_body(app, CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await serving.completions(await _parse(request, CompletionRequest), request)
+        return await gateway.handle(request, CompletionRequest, serving.completions, "completion")
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -69,13 +75,21 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return card
 
+    def check_admin(request: Request, protected: bool) -> None:
+        if protected and admin is not None and not admin(request.headers.get("authorization")):
+            raise APIError(401, "this endpoint needs an admin API key", headers={"WWW-Authenticate": "Bearer"})
+
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health(request: Request) -> dict[str, str]:
         # Liveness only: answering at all is the signal.
+        check_admin(request, protect_probes)
         return {"status": "ok"}
 
     @app.get("/ready", response_model=None)
-    async def readiness() -> JSONResponse:
+    async def readiness(request: Request) -> JSONResponse:
+        check_admin(request, protect_probes)
+        if gateway.gate is not None and gateway.gate.draining:
+            return APIError(503, "the server is shutting down").response()
         if ready is not None and not ready():
             return APIError(503, "the server is not ready yet").response()
         return JSONResponse({"status": "ready"})
@@ -84,9 +98,12 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         @app.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(request: Request) -> Response:
+            check_admin(request, True)
             return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(GateMiddleware, gateway=gateway,
+                       paths={"/v1/chat/completions": "chat", "/v1/completions": "completion"})
     return app
 
 
@@ -94,19 +111,3 @@ async def _call(hook: Callable[[], Any]) -> None:
     result = hook()
     if inspect.isawaitable(result):
         await result
-
-
-Body = TypeVar("Body", bound=BaseModel)
-
-
-async def _parse(request: Request, model: type[Body]) -> Body:
-    """The JSON body as ``model`` whatever the Content-Type (curl -d sends a form type); 400 if bad."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None

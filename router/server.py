@@ -117,16 +117,17 @@ class ServerThread:
 class EventStreamResponse(StreamingResponse):
     """SSE response that runs ``on_close`` however the stream ends (done, error, client gone)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            self.on_close()
 
 
 async def run_until_disconnected(receive: Any, work: Coroutine[Any, Any, Any]) -> Any:

@@ -46,7 +46,7 @@ from router.protocol import (
 )
 from router.server import ClientGone, EventStreamResponse, run_until_disconnected
 from router.stream import SSE_DONE, Choices, EngineJob, EngineRun, LogprobFormatter, SampleState, sse
-from workers.errors import ContextLengthExceededError, InvalidRequestError
+from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError, OverloadedError
 from workers.sampling.structured import DEFAULT_BACKEND, StructuredSpec, make_backend
 from workers.text.tokenizer import Tokenizer
 
@@ -65,6 +65,23 @@ class _Call:
     echo: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     tool_mode: str | None = None  # auto | required | function:NAME: parse the output for tool calls
+    ticket: Any = None  # admission's handle (router.engine_client.Ticket); None: no admission
+
+    def end(self, status: int, choices: Choices | None = None, reason: str | None = None) -> None:
+        """Close the ticket once with what the client got (the first exit path to get here wins)."""
+        if self.ticket is None:
+            return
+        if choices is None:
+            self.ticket.finish(status, reason or "error")
+            return
+        usage = choices.usage()
+        first = choices.samples[0] if choices.samples else None
+        finish = reason or (first.finish_reason if first is not None else None) or "abort"
+        if self.tool_mode and first is not None and finish == "stop" and tools.parse(first.text)[1]:
+            finish = "tool_calls"
+        self.ticket.finish(status, finish, usage.prompt_tokens,
+                           usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0,
+                           usage.completion_tokens)
 
 
 class OpenAIServing:
@@ -89,8 +106,14 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name,
                                          max_model_len=self.max_model_len)])
 
-    async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+    async def chat(self, body: ChatCompletionRequest, http: Request, ticket: Any = None) -> Response:
         """``POST /v1/chat/completions``: render the chat template, then generate."""
+        call = _Call("chat", f"chatcmpl-{uuid.uuid4().hex}", body, body.engine_logprobs(), ticket=ticket)
+        return await self._guarded(call, lambda: self._chat(call, http))
+
+    async def _chat(self, call: _Call, http: Request) -> Response:
+        body = call.body
+        assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tool_list = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -100,7 +123,6 @@ class OpenAIServing:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                                     tools=template_tools)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        call = _Call("chat", f"chatcmpl-{uuid.uuid4().hex}", body, body.engine_logprobs())
         job = self._job(call, call.id, ids, None, body.requested_max_tokens(), "messages")
         if tool_list and mode != "none":
             call.tool_mode = mode
@@ -114,15 +136,31 @@ class OpenAIServing:
         await self._check_grammar(call)
         return await self._serve(call, http)
 
-    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+    async def completions(self, body: CompletionRequest, http: Request, ticket: Any = None) -> Response:
         """``POST /v1/completions``: a prompt or a batch of prompts, each giving ``n`` choices."""
+        call = _Call("completion", f"cmpl-{uuid.uuid4().hex}", body, body.logprobs, echo=body.echo, ticket=ticket)
+        return await self._guarded(call, lambda: self._completions(call, http))
+
+    async def _guarded(self, call: _Call, serve: Any) -> Response:
+        """Run a request; whatever way it fails before its response exists, its ticket is closed."""
+        if call.ticket is not None:
+            call.ticket.request_id, call.ticket.endpoint = call.id, call.kind
+        try:
+            return await serve()
+        except BaseException as exc:
+            status = _status_of(exc)
+            call.end(status, reason="rejected" if status in (429, 503) else "abort" if status == 499 else "error")
+            raise
+
+    async def _completions(self, call: _Call, http: Request) -> Response:
+        body = call.body
+        assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of different from n is not supported", param="best_of")
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not "
                            "compute", param="echo")
-        call = _Call("completion", f"cmpl-{uuid.uuid4().hex}", body, body.logprobs, echo=body.echo)
         prompts = self._completion_prompts(body.prompt)
         for i, (text, ids) in enumerate(prompts):
             rid = call.id if len(prompts) == 1 else f"{call.id}-{i}"
@@ -184,9 +222,11 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", param="max_tokens")
-        body = call.body
+        body, ticket = call.body, call.ticket
+        priority = body.priority if ticket is None else ticket.priority(body.priority)
+        salt = body.cache_salt if ticket is None else ticket.cache_salt(body.cache_salt)
         return EngineJob(request_id, ids, body.to_sampling_params(max_tokens, call.logprobs), text,
-                         priority=body.priority, cache_salt=body.cache_salt, arrival_time=time.monotonic())
+                         priority=priority, cache_salt=salt, arrival_time=time.monotonic(), ticket=ticket)
 
     # ------------------------------------------------------------------ running
     async def _serve(self, call: _Call, http: Request) -> Response:
@@ -196,12 +236,19 @@ class OpenAIServing:
         handed_off = False
         try:
             await run_until_disconnected(http.receive, run.start(call.jobs))
+            headers = _degraded_headers(call.ticket)
             if call.body.stream:
                 events = self._chat_events if call.kind == "chat" else self._completion_events
+
+                def closed() -> None:  # however the stream ended: a client gone mid-stream included
+                    run.cancel()
+                    call.end(200, choices, None if choices.done else "abort")
+
                 handed_off = True  # the stream owns ``run`` from here
-                return EventStreamResponse(events(call, choices, run), on_close=run.cancel)
+                return EventStreamResponse(events(call, choices, run), on_close=closed, headers=headers)
             await run_until_disconnected(http.receive, self._drain(choices, run))
         except ClientGone:
+            call.end(499, choices, "abort")
             return Response(status_code=499)  # nobody is listening; the engine already aborted
         except Exception as exc:
             raise to_api_error(exc) from exc
@@ -209,16 +256,21 @@ class OpenAIServing:
             if not handed_off:
                 await run.close()
         build = self._chat_response if call.kind == "chat" else self._completion_response
-        return JSONResponse(build(call, choices).model_dump(mode="json"))
+        response = JSONResponse(build(call, choices).model_dump(mode="json"), headers=headers)
+        call.end(200, choices)
+        return response
 
     async def _updates(self, choices: Choices, run: EngineRun) -> AsyncIterator[tuple[SampleState, str]]:
         """(choice, new text) as deltas arrive, until every choice has finished."""
+        ticket = choices.jobs[0].ticket if choices.jobs else None
         while not choices.done:
             delta = await run.next()
             if delta is None:  # streams ended without finishing every sample
                 for item in choices.abort_unfinished():
                     yield item
                 return
+            if delta.token_ids and ticket is not None:
+                ticket.mark_first_token()
             item = choices.apply(delta)
             if item is not None:
                 yield item
@@ -291,6 +343,7 @@ class OpenAIServing:
             yield sse(json.dumps(to_api_error(exc).body(), ensure_ascii=False))
         finally:
             await run.close()
+            call.end(200, choices, None if choices.done else "abort")
         yield SSE_DONE
 
     def _tool_chunks(self, call: _Call, s: SampleState) -> list[ChatChunkChoice]:
@@ -340,7 +393,27 @@ class OpenAIServing:
             yield sse(json.dumps(to_api_error(exc).body(), ensure_ascii=False))
         finally:
             await run.close()
+            call.end(200, choices, None if choices.done else "abort")
         yield SSE_DONE
+
+
+def _status_of(exc: BaseException) -> int:
+    """The HTTP status a failure reaches the client as (499: the client left, or the task was cancelled)."""
+    if isinstance(exc, APIError):
+        return exc.status_code
+    if isinstance(exc, (InvalidRequestError, OutOfBlocksError)):
+        return 400
+    if isinstance(exc, OverloadedError):
+        return 429
+    return 500 if isinstance(exc, Exception) else 499
+
+
+def _degraded_headers(ticket: Any) -> dict[str, str] | None:
+    """``X-Baton-Degraded: max_tokens=N`` when admission capped what the request asked for."""
+    degraded = getattr(ticket, "degraded", None)
+    if not degraded:
+        return None
+    return {"X-Baton-Degraded": ", ".join(f"{k}={v}" for k, v in sorted(degraded.items()))}
 
 
 def _tool_finish(finish: str | None, calls: list[Any]) -> str | None:

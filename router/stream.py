@@ -50,6 +50,7 @@ class EngineJob:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float | None = None
+    ticket: Any = None  # the request's admission ticket (router.engine_client.Ticket), if any
 
 
 class EngineRun:
@@ -83,7 +84,7 @@ class EngineRun:
         for job, fut in zip(jobs, primed):
             it = self._client.generate(job.request_id, job.prompt_token_ids, job.params,
                                        priority=job.priority, cache_salt=job.cache_salt,
-                                       arrival_time=job.arrival_time)
+                                       arrival_time=job.arrival_time, ticket=job.ticket)
             self._tasks.append(asyncio.create_task(self._produce(it, fut)))
         self._live = len(jobs)
         try:

@@ -26,7 +26,7 @@ class _EndlessClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
+                       arrival_time: float | None = None, ticket: object = None) -> AsyncIterator[TokenDelta]:
         if prompt_token_ids[0] == 0:
             raise InvalidRequestError("bad prompt", param="prompt")
         self.pulled[request_id] = 0

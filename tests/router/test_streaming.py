@@ -109,7 +109,7 @@ class _FailingClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[TokenDelta]:
+                       arrival_time: float | None = None, ticket: object = None) -> AsyncIterator[TokenDelta]:
         if self.reject is not None:
             raise self.reject
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import select
 import socket
@@ -176,11 +177,19 @@ class _Writer:
                         self._waiting.discard(conn)
 
 
+def hello_payload(front_id: str, secret: str = "") -> bytes:
+    """What a front sends first: its id, and the deployment's secret when there is one."""
+    return front_id.encode() + (b"\x00" + secret.encode() if secret else b"")
+
+
 class OutputServer:
     """Listens for fronts; ``on_hello(front_id, conn)`` registers each (it must send the answer)."""
 
     def __init__(self, host: str, on_hello: Callable[[str, FrontConnection], None],
-                 hello_timeout_s: float = 5.0) -> None:
+                 hello_timeout_s: float = 5.0, secret: str = "") -> None:
+        # ``secret``: the deployment's, which a front's hello must carry (``hello_payload``); a
+        # connection without it gets nothing, so only this deployment's fronts read its tokens.
+        self._secret = secret.encode()
         self._listener = socket.create_server((host, 0))
         self.address = (host, self._listener.getsockname()[1])
         self._on_hello, self._hello_timeout_s = on_hello, hello_timeout_s
@@ -204,14 +213,19 @@ class OutputServer:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 if self._closed:
                     return
                 continue
             try:
                 sock.settimeout(self._hello_timeout_s)
-                front_id = read_frame(sock, MAX_HELLO).decode()
+                raw_id, _, given = read_frame(sock, MAX_HELLO).partition(b"\x00")
+                if self._secret and not hmac.compare_digest(given, self._secret):
+                    log.warning("refused an output connection from %s: wrong deployment secret", peer)
+                    sock.close()
+                    continue
+                front_id = raw_id.decode()
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn = FrontConnection(sock, front_id, self._writer)
                 self._conns = [c for c in self._conns if not c.closed] + [conn]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +59,8 @@ class Worker:
 
     def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int | None = 1,
                  kv_transport: str = "auto", kv_timeout_s: float = 30.0,
-                 host: str | None = None, core_share: dict[str, Any] | None = None) -> None:
+                 host: str | None = None, core_share: dict[str, Any] | None = None,
+                 front_secret: str = "") -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         order = connector_order(kv_transport)  # ValueError naming the known ones
@@ -111,7 +113,10 @@ class Worker:
                                            initializer=openmp.serial_here)
         self.transfer_log: list[float] = []  # shipment seconds since the last stats() (metrics)
         self.shipments, self.ship_seconds = 0, 0.0  # totals, for readers other than metrics
-        self._output = OutputServer(self.host, self._front_connected)
+        # A front's hello must carry this (it reads it from ``info`` over Ray): anything else that
+        # connects to the output socket gets nothing.
+        self._output_secret = front_secret or secrets.token_hex(16)
+        self._output = OutputServer(self.host, self._front_connected, secret=self._output_secret)
 
     # ------------------------------------------------------------------ front-facing
     def info(self) -> dict[str, Any]:
@@ -120,7 +125,7 @@ class Worker:
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
                 "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "node_id": node_id(),
-                "output_address": list(self._output.address),
+                "output_address": list(self._output.address), "output_secret": self._output_secret,
                 # Routers hash prompts with this to compare them against the cache events below.
                 "cache_namespace": dataclasses.asdict(c.block_manager.namespace),
                 "kv_block_bytes": kv_cache_block_bytes(c.model, c.config.block_size, c.model.dtype)}
@@ -137,8 +142,9 @@ class Worker:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
                     priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
-                    decode_worker: str | None = None, front_id: str = "default") -> None:
-        """Queue a request (validated by the front). A prefill worker needs ``decode_worker``."""
+                    decode_worker: str | None = None, front_id: str = "default", tenant: str = "") -> None:
+        """Queue a request (validated by the front). A prefill worker needs ``decode_worker``;
+        ``tenant`` is whom the scheduler's ``fair`` policy shares the worker between."""
         sampling = params_from_dict(params)
         self._register(request_id, front_id, sampling.n)
         if self._cancelled.pop(request_id, None) is not None:
@@ -158,7 +164,8 @@ class Worker:
         def add(engine: Any) -> None:
             try:
                 engine.add_request(request_id, prompt_token_ids, sampling, priority=priority,
-                                   cache_salt=cache_salt, arrival_time=arrival, prefill_only=prefill_only)
+                                   cache_salt=cache_salt, arrival_time=arrival, prefill_only=prefill_only,
+                                   tenant=tenant)
             except BatonError as exc:
                 log.warning("request %s rejected by the engine: %s", request_id, exc)
                 self._emit([TokenDelta(request_id, i, [], finish_reason="abort", stop_reason=str(exc))

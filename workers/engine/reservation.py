@@ -34,8 +34,9 @@ class ReservationLedger:
     def __len__(self) -> int:
         return len(self._held)
 
-    def reserve(self, request_id: str, num_blocks: int) -> bool:
-        """Hold ``num_blocks`` for ``request_id``; False (nothing changed) if over capacity.
+    def reserve(self, request_id: str, num_blocks: int, force: bool = False) -> bool:
+        """Hold ``num_blocks`` for ``request_id``; False (nothing changed) if over capacity, unless
+        ``force`` (admission chose to oversubscribe: ``available_blocks`` then goes negative).
 
         Raises ``KVCacheError`` for a negative count or a request that already holds a
         reservation (admitting it twice is a caller bug).
@@ -44,7 +45,7 @@ class ReservationLedger:
             raise KVCacheError(f"cannot reserve {num_blocks} blocks")
         if request_id in self._held:
             raise KVCacheError(f"request {request_id!r} already holds a reservation")
-        if self._reserved + num_blocks > self.capacity_blocks:
+        if self._reserved + num_blocks > self.capacity_blocks and not force:
             return False
         self._held[request_id] = num_blocks
         self._reserved += num_blocks

@@ -168,3 +168,20 @@ def test_a_send_racing_the_writer_as_it_drains_is_never_stranded(monkeypatch):
     finally:
         writer.stop()
         conn.close()
+
+
+def test_a_hello_without_the_deployments_secret_gets_nothing():
+    reg = _Registry()
+    server = OutputServer("127.0.0.1", reg, hello_timeout_s=2.0, secret="s3cret")
+    try:
+        for payload in (b"front-x", output_stream.hello_payload("front-x", "guess")):
+            intruder = socket.create_connection(server.address, timeout=10)
+            intruder.sendall(frame(payload))
+            with pytest.raises(ConnectionError):
+                read_frame(intruder, 1 << 20)
+        sock = socket.create_connection(server.address, timeout=10)
+        sock.sendall(frame(output_stream.hello_payload("front-ok", "s3cret")))
+        assert read_frame(sock, 1 << 20) == b""
+        assert set(reg.conns) == {"front-ok"}
+    finally:
+        server.close()

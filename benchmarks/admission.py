@@ -1,0 +1,375 @@
+"""Admission's costs and its fairness, measured (issue 17).
+
+1. **Ingress gate under a flood of rejections**: a front whose only tenant is far over its request
+   rate, driven at ``--reject-rate`` requests/s over HTTP (keep-alive connections) for
+   ``--reject-seconds``; reported: the server process's CPU time per rejected request (from
+   /proc, so the client's own work does not count), the rate achieved, rejection latency. Plus
+   the gate alone in process (``IngressGate.admit`` refusing), in microseconds.
+2. **Stage 2 on TTFT at low load**: one deployment of the default model; requests one at a time,
+   alternating between the front with its KV admission and the same front without it
+   (``PoolClient.admission = None``), TTFT measured at the client. Plus ``KVAdmission.reserve`` +
+   ``release`` alone.
+3. **A flood from one tenant**: tenants A and B, each allowed ``--tenant-rate`` requests/s; B sends
+   at its rate (Poisson) alone, then again while A sends at 10x its rate. Reported: B's TTFT
+   p50/p99 in both phases and their ratio (target: p99 within 1.5x), A's 429s and admitted count.
+
+    .venv/bin/python benchmarks/admission.py --out benchmarks/results/admission.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+FLOOD_KEY, A_KEY, B_KEY = "sk-flood", "sk-tenant-a", "sk-tenant-b"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+# ---------------------------------------------------------------------------- 1. the gate
+def serve_gate(port: int, tenants: str) -> None:
+    """The server side of part 1 (run in its own process): the OpenAI app with a gate in front."""
+    from cluster.admission.gate import IngressGate
+    from cluster.admission.tenants import TenantDirectory
+    from router.api import build_app
+    from router.gateway import Gateway
+    from router.server import run_server
+    from workers.engine.async_engine import AsyncEngine
+    from workers.engine.config import EngineConfig
+    from workers.llm import build_engine
+
+    engine, tokenizer, _ = build_engine(EngineConfig(dtype="float32", num_kv_blocks=64))
+    client = AsyncEngine(engine)
+    gate = IngressGate(TenantDirectory.from_file(tenants), max_queued=4096)
+    app = build_app(client, tokenizer, "default", engine.max_model_len, gateway=Gateway(gate))
+    run_server(app, port=port, log_level="error")
+
+
+def gate_micro(n: int = 200_000) -> dict[str, float]:
+    from cluster.admission.gate import AdmissionError, IngressGate
+    from cluster.admission.tenants import Tenant, TenantDirectory, hash_key
+
+    d = TenantDirectory({"flood": Tenant("flood", requests_per_second=0.001, request_burst=1)})
+    d._by_digest[hash_key(FLOOD_KEY)] = "flood"
+    gate = IngressGate(d)
+    gate.admit(f"Bearer {FLOOD_KEY}")  # the one request the burst allows
+    header = f"Bearer {FLOOD_KEY}"
+    start = time.process_time()
+    for _ in range(n):
+        try:
+            gate.admit(header)
+        except AdmissionError:
+            pass
+    per = (time.process_time() - start) / n
+    return {"admit_refused_us": per * 1e6, "calls": n}
+
+
+async def _flood_http(url: str, rate: float, seconds: float, connections: int) -> dict[str, Any]:
+    """Paced POSTs over ``connections`` keep-alive sockets (a lean HTTP/1.1 client: httpx would
+    spend more CPU than the server it measures, on the same two cores)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 1}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + FLOOD_KEY.encode()
+               + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+               + b"\r\n\r\n" + body)
+    codes: dict[int, int] = {}
+    latencies: list[float] = []
+    total = int(rate * seconds)
+    next_i = 0
+    start = time.perf_counter()
+
+    async def connection() -> None:
+        nonlocal next_i
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            while next_i < total:
+                i, next_i = next_i, next_i + 1
+                delay = start + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                t0 = time.perf_counter()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                await reader.readexactly(length)
+                latencies.append(time.perf_counter() - t0)
+                code = int(head[9:12])
+                codes[code] = codes.get(code, 0) + 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(connection() for _ in range(connections)))
+    elapsed = time.perf_counter() - start
+    return {"codes": codes, "elapsed_s": elapsed, "sent": total, "achieved_rps": total / elapsed,
+            "latency_p50_ms": _pct(latencies, 50) * 1e3, "latency_p99_ms": _pct(latencies, 99) * 1e3}
+
+
+def part_gate(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from cluster.admission.tenants import hash_key
+    from router.server import bind_socket
+
+    tenants = workdir / "flood_tenants.toml"
+    tenants.write_text(f'[tenants.flood]\napi_keys = ["{hash_key(FLOOD_KEY)}"]\nrequests_per_second = 0.001\n'
+                       "request_burst = 1\n")
+    probe = bind_socket()
+    port = probe.getsockname()[1]
+    probe.close()
+    server = subprocess.Popen([sys.executable, __file__, "--serve-gate", str(port), "--tenants", str(tenants)],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        asyncio.run(_flood_http(url, 500, 1.0, args.connections))  # warm-up: connections, code paths
+        cpu0 = _proc_cpu_s(server.pid)
+        time.sleep(args.reject_seconds)
+        idle = _proc_cpu_s(server.pid) - cpu0  # what the server spends with nothing to do
+        cpu0 = _proc_cpu_s(server.pid)
+        result = asyncio.run(_flood_http(url, args.reject_rate, args.reject_seconds, args.connections))
+        cpu = _proc_cpu_s(server.pid) - cpu0
+        result["server_idle_cpu_s"] = idle
+    finally:
+        server.terminate()
+        server.wait(30)
+    rejected = result["codes"].get(429, 0)
+    result["server_cpu_s"] = cpu
+    result["server_cpu_per_rejected_us"] = cpu / max(rejected, 1) * 1e6
+    result["in_process"] = gate_micro()
+    return result
+
+
+# ---------------------------------------------------------------------------- 2. stage 2 on TTFT
+async def _ttft(client: Any, url: str, headers: dict[str, str], prompt: str, max_tokens: int = 1) -> float:
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                first = time.perf_counter() - t0
+    return first if first is not None else time.perf_counter() - t0
+
+
+def _deployment(workdir: Path, tenants: Path | None, model: str | None) -> Any:
+    from cluster.config import ClusterConfig
+    from cluster.serve import Deployment
+
+    server: dict[str, Any] = {"model_name": "default"}
+    if tenants is not None:
+        server["tenants"] = str(tenants)
+    config = ClusterConfig.model_validate({
+        "engine": {"model": model, "dtype": "float32"}, "pools": {"colocated": 1}, "server": server,
+        "usage": {"path": str(workdir / "usage.sqlite3")}})
+    return Deployment(config).start()
+
+
+def part_stage2(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import httpx
+
+    from router.server import ServerThread
+
+    dep = _deployment(workdir, None, args.model)
+    server = ServerThread(dep.app).start()
+    kv = dep.pool.admission
+    on, off = [], []
+    prompt = "Summarise the plot of a novel about a lighthouse keeper in two sentences. " * 2
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            for _ in range(3):
+                await _ttft(client, server.url, {}, prompt)
+            for i in range(args.stage2_rounds * 2):
+                with_admission = i % 2 == 0
+                dep.pool.admission = kv if with_admission else None
+                (on if with_admission else off).append(await _ttft(client, server.url, {}, prompt))
+        dep.pool.admission = kv
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
+        dep.stop()
+    return {"rounds": args.stage2_rounds, "ttft_with_ms": {"p50": _pct(on, 50) * 1e3, "p90": _pct(on, 90) * 1e3},
+            "ttft_without_ms": {"p50": _pct(off, 50) * 1e3, "p90": _pct(off, 90) * 1e3},
+            "overhead_p50_ms": (statistics.median(on) - statistics.median(off)) * 1e3,
+            "reserve_release_us": _stage2_micro()}
+
+
+def _stage2_micro(n: int = 20_000) -> float:
+    from cluster.admission.kv import KVAdmission, KVDemand
+    from cluster.admission.tenants import Tenant
+
+    kv = KVAdmission({f"w{i}": 4096 for i in range(4)}, block_size=16)
+    tenant = Tenant("t")
+    allowed = ["w0", "w1", "w2", "w3"]
+
+    async def run() -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            await kv.reserve(KVDemand(f"r{i}", tenant, 512, 128, 1, 0), lambda: allowed, lambda: "w1")
+            kv.release(f"r{i}")
+        return (time.perf_counter() - start) / n * 1e6
+
+    return asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------- 3. the flood
+def part_flood(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import httpx
+
+    from cluster.admission.tenants import hash_key
+    from router.server import ServerThread
+
+    rate = args.tenant_rate
+    tenants = workdir / "flood_ab.toml"
+    tenants.write_text(
+        f'[tenants.a]\napi_keys = ["{hash_key(A_KEY)}"]\nrequests_per_second = {rate}\nrequest_burst = {rate}\n'
+        f'[tenants.b]\napi_keys = ["{hash_key(B_KEY)}"]\nrequests_per_second = {rate}\nrequest_burst = {rate}\n')
+    dep = _deployment(workdir, tenants, args.model)
+    server = ServerThread(dep.app).start()
+    prompt = "Write one sentence about the sea and one about the mountains. " * 2
+    rng = random.Random(1)
+
+    async def tenant_load(client: Any, key: str, rps: float, seconds: float, ttfts: list[float],
+                          codes: dict[int, int]) -> None:
+        async def one() -> None:
+            try:
+                ttfts.append(await _ttft(client, server.url, {"Authorization": f"Bearer {key}"}, prompt,
+                                         args.flood_output_tokens))
+                codes[200] = codes.get(200, 0) + 1
+            except RuntimeError as exc:
+                code = int(str(exc).split(":", 1)[0])
+                codes[code] = codes.get(code, 0) + 1
+
+        tasks, t, end = [], 0.0, seconds
+        start = time.perf_counter()
+        while True:
+            t += rng.expovariate(rps)
+            if t > end:
+                break
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+
+    async def run() -> dict[str, Any]:
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            for _ in range(3):
+                await _ttft(client, server.url, {"Authorization": f"Bearer {B_KEY}"}, prompt)
+            alone: list[float] = []
+            codes_alone: dict[int, int] = {}
+            await tenant_load(client, B_KEY, rate, args.flood_seconds, alone, codes_alone)
+            await asyncio.sleep(5)  # A's bucket is full again; nothing left running
+            b, a = [], []
+            codes_b: dict[int, int] = {}
+            codes_a: dict[int, int] = {}
+            await asyncio.gather(tenant_load(client, B_KEY, rate, args.flood_seconds, b, codes_b),
+                                 tenant_load(client, A_KEY, rate * 10, args.flood_seconds, a, codes_a))
+        return {"b_alone": {"codes": codes_alone, "ttft_p50_ms": _pct(alone, 50) * 1e3,
+                            "ttft_p99_ms": _pct(alone, 99) * 1e3, "n": len(alone)},
+                "b_under_flood": {"codes": codes_b, "ttft_p50_ms": _pct(b, 50) * 1e3,
+                                  "ttft_p99_ms": _pct(b, 99) * 1e3, "n": len(b)},
+                "a_flood": {"codes": codes_a, "admitted": len(a), "ttft_p50_ms": _pct(a, 50) * 1e3 if a else None},
+                "b_p99_ratio": _pct(b, 99) / _pct(alone, 99)}
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        server.stop()
+        dep.stop()
+    result.update({"tenant_rate_rps": rate, "seconds": args.flood_seconds, "output_tokens": args.flood_output_tokens})
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve-gate", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tenants", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default="gate,stage2,flood")
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    parser.add_argument("--reject-rate", type=float, default=2000.0)
+    parser.add_argument("--reject-seconds", type=float, default=5.0)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--stage2-rounds", type=int, default=30)
+    parser.add_argument("--tenant-rate", type=float, default=2.0)
+    parser.add_argument("--flood-seconds", type=float, default=20.0)
+    parser.add_argument("--flood-output-tokens", type=int, default=16)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.serve_gate is not None:
+        serve_gate(args.serve_gate, args.tenants)
+        return 0
+    import tempfile
+
+    results: dict[str, Any] = {"date": date.today().isoformat(), "cpu": _cpu_name(), "cores": os.cpu_count(),
+                               "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        parts = args.parts.split(",")
+        if "gate" in parts:
+            results["gate"] = part_gate(args, workdir)
+            print(json.dumps(results["gate"], indent=1), flush=True)
+        if "stage2" in parts:
+            results["stage2"] = part_stage2(args, workdir)
+            print(json.dumps(results["stage2"], indent=1), flush=True)
+        if "flood" in parts:
+            results["flood"] = part_flood(args, workdir)
+            print(json.dumps(results["flood"], indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

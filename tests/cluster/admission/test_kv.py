@@ -1,0 +1,186 @@
+"""Stage 2: KV reservations per worker and tenant; admit, queue, degrade, reject, in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.admission.gate import AdmissionError
+from cluster.admission.kv import KVAdmission, KVDemand, admission_policies, make_admission_policy
+from cluster.admission.tenants import Tenant
+
+T = Tenant("t")
+
+
+def demand(rid: str, prompt: int = 16, max_tokens: int = 16, n: int = 1, priority: int = 0,
+           tenant: Tenant = T) -> KVDemand:
+    return KVDemand(rid, tenant, prompt, max_tokens, n, priority)
+
+
+def test_blocks_for_counts_prompt_output_and_samples():
+    kv = KVAdmission({"w": 100}, block_size=16)
+    assert kv.blocks_for(demand("a", 16, 16)) == 2
+    assert kv.blocks_for(demand("a", 20, 1)) == 2
+    # n=2: the second sample shares the prompt's full block and needs its own tail + output.
+    assert kv.blocks_for(demand("a", 20, 12, n=2)) == 2 + 1
+    half = KVAdmission({"w": 100}, block_size=16, reserve_fraction=0.5)
+    assert half.blocks_for(demand("a", 16, 32)) == 2
+
+
+def test_admit_prefers_the_routed_worker_then_any_with_room():
+    async def run() -> None:
+        kv = KVAdmission({"w0": 4, "w1": 10}, block_size=16)
+        r = await kv.reserve(demand("a", 32, 32), lambda: ["w0", "w1"], lambda: "w0")
+        assert r.worker_id == "w0" and r.blocks == 4 and not r.degraded
+        r = await kv.reserve(demand("b", 32, 32), lambda: ["w0", "w1"], lambda: "w0")
+        assert r.worker_id == "w1"  # w0 is full: the other one has room
+        assert kv.ledgers["w0"].reserved_blocks == 4 and kv.ledgers["w1"].reserved_blocks == 4
+        assert kv.release("a") == 4 and kv.release("a") == 0  # a repeat frees nothing
+
+    asyncio.run(run())
+
+
+def test_queue_then_admit_in_priority_order_and_deadline():
+    async def run() -> None:
+        kv = KVAdmission({"w": 4}, block_size=16, queue_timeout_s=5)
+        await kv.reserve(demand("big", 32, 32), lambda: ["w"], lambda: "w")
+        order = []
+
+        async def wait(rid: str, priority: int) -> None:
+            r = await kv.reserve(demand(rid, 16, 16, priority=priority), lambda: ["w"], lambda: "w")
+            order.append((rid, r.queued_s > 0))
+
+        tasks = [asyncio.create_task(wait("low", 5)), asyncio.create_task(wait("high", 0))]
+        await asyncio.sleep(0.05)
+        assert kv.queue_depths() == {5: 1, 0: 1} and not order
+        kv.release("big")
+        await asyncio.gather(*tasks)
+        assert order == [("high", True), ("low", True)]
+        # A deadline: 429 with Retry-After, and nothing held.
+        short = KVAdmission({"w": 2}, block_size=16, queue_timeout_s=0.05)
+        await short.reserve(demand("x", 16, 16), lambda: ["w"], lambda: "w")
+        with pytest.raises(AdmissionError) as err:
+            await short.reserve(demand("y", 16, 16), lambda: ["w"], lambda: "w")
+        assert err.value.status_code == 429 and err.value.reason == "queue_deadline"
+        assert "Retry-After" in err.value.headers and short.held("y") is None
+
+    asyncio.run(run())
+
+
+def test_no_live_worker_ends_queued_with_503():
+    async def run() -> None:
+        kv = KVAdmission({"w": 2}, block_size=16, queue_timeout_s=0.05)
+        await kv.reserve(demand("x"), lambda: ["w"], lambda: "w")
+        alive: list[str] = ["w"]
+        task = asyncio.create_task(kv.reserve(demand("y"), lambda: list(alive), lambda: "w"))
+        await asyncio.sleep(0.01)
+        alive.clear()
+        with pytest.raises(AdmissionError) as err:
+            await task
+        assert err.value.status_code == 503
+
+    asyncio.run(run())
+
+
+def test_degrade_caps_max_tokens_only_for_tenants_that_allow_it():
+    async def run() -> None:
+        flexible = Tenant("f", allow_degrade=True)
+        kv = KVAdmission({"w": 8}, block_size=16, queue_timeout_s=0.05)
+        await kv.reserve(demand("x", 16, 48), lambda: ["w"], lambda: "w")  # 4 of 8 blocks
+        r = await kv.reserve(demand("f1", 16, 200, tenant=flexible), lambda: ["w"], lambda: "w")
+        assert r.degraded and r.max_tokens == 48 and kv.ledgers["w"].available_blocks == 0
+        with pytest.raises(AdmissionError):  # a strict tenant queues, then times out
+            await kv.reserve(demand("s1", 16, 200), lambda: ["w"], lambda: "w")
+
+    asyncio.run(run())
+
+
+def test_queue_full_rejects_with_retry_after_from_the_drain_rate():
+    async def run() -> None:
+        kv = KVAdmission({"w": 2}, block_size=16, queue_timeout_s=5, max_queued_per_class=1)
+        for i in range(5):  # a history of releases gives a drain rate
+            await kv.reserve(demand(f"h{i}"), lambda: ["w"], lambda: "w")
+            await asyncio.sleep(0.02)
+            kv.release(f"h{i}")
+        await kv.reserve(demand("x", 16, 16), lambda: ["w"], lambda: "w")
+        waiting = asyncio.create_task(kv.reserve(demand("q"), lambda: ["w"], lambda: "w"))
+        await asyncio.sleep(0.01)
+        with pytest.raises(AdmissionError) as err:
+            await kv.reserve(demand("r"), lambda: ["w"], lambda: "w")
+        assert err.value.reason == "kv_queue_full" and 1 <= int(err.value.headers["Retry-After"]) < 5
+        kv.release("x")
+        await waiting
+
+    asyncio.run(run())
+
+
+def test_tenant_concurrency_and_kv_budget_queue_only_that_tenant():
+    async def run() -> None:
+        capped = Tenant("c", max_concurrent_requests=1)
+        budget = Tenant("b", kv_block_budget=3)
+        kv = KVAdmission({"w": 100}, block_size=16, queue_timeout_s=0.05)
+        await kv.reserve(demand("c1", tenant=capped), lambda: ["w"], lambda: "w")
+        with pytest.raises(AdmissionError):
+            await kv.reserve(demand("c2", tenant=capped), lambda: ["w"], lambda: "w")
+        await kv.reserve(demand("b1", tenant=budget), lambda: ["w"], lambda: "w")  # 2 blocks
+        with pytest.raises(AdmissionError):
+            await kv.reserve(demand("b2", tenant=budget), lambda: ["w"], lambda: "w")  # 2 more > 3
+        await kv.reserve(demand("other"), lambda: ["w"], lambda: "w")  # others are not held back
+
+    asyncio.run(run())
+
+
+def test_a_request_alone_is_admitted_even_past_a_small_share():
+    async def run() -> None:
+        kv = KVAdmission({"w": 10}, block_size=16, share=0.25)  # 2 blocks for this front
+        r = await kv.reserve(demand("big", 64, 64), lambda: ["w"], lambda: "w")
+        assert r.blocks == 8 and kv.ledgers["w"].available_blocks < 0
+        kv.release("big")
+        assert kv.ledgers["w"].available_blocks == 2
+
+    asyncio.run(run())
+
+
+def test_policies_by_name():
+    assert {"reserve", "unlimited"} <= set(admission_policies())
+    with pytest.raises(ValueError, match="known"):
+        make_admission_policy("nope")
+
+    async def run() -> None:
+        kv = KVAdmission({"w": 2}, block_size=16, policy="unlimited")
+        for i in range(3):
+            await kv.reserve(demand(f"u{i}"), lambda: ["w"], lambda: "w")
+        assert kv.ledgers["w"].reserved_blocks == 6  # oversubscribed, and the ledger shows it
+
+    asyncio.run(run())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "release"]), st.integers(1, 80), st.integers(0, 2)),
+                max_size=40))
+def test_ledger_never_oversubscribes_and_every_hold_is_released_once(ops):
+    async def run() -> None:
+        kv = KVAdmission({"w0": 12, "w1": 6}, block_size=16, queue_timeout_s=0.01)
+        held: list[str] = []
+        for i, (op, size, prio) in enumerate(ops):
+            if op == "reserve":
+                try:
+                    await kv.reserve(demand(f"r{i}", size, size, priority=prio), lambda: ["w0", "w1"],
+                                     lambda: "w0")
+                    held.append(f"r{i}")
+                except AdmissionError:
+                    pass
+            elif held:
+                kv.release(held.pop(0))
+            for ledger in kv.ledgers.values():
+                # Over capacity only for one request admitted alone.
+                assert ledger.available_blocks >= 0 or len(ledger) == 1
+        for rid in held:
+            assert kv.release(rid) > 0
+        assert all(lg.reserved_blocks == 0 and len(lg) == 0 for lg in kv.ledgers.values())
+        assert not kv._tenant_blocks.get("t") and not kv._tenant_admitted.get("t")
+
+    asyncio.run(run())
