@@ -175,6 +175,9 @@ class Gateway:
             err = to_api_error(exc)
             run.fail(err.status_code, json.dumps(err.body(), ensure_ascii=False))
         finally:
+            if isinstance(response, StreamingResponse):
+                with contextlib.suppress(Exception):  # abandoned mid-stream: close the generator now
+                    await response.body_iterator.aclose()
             if isinstance(response, EventStreamResponse):
                 response.on_close()
 

@@ -18,6 +18,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,9 @@ from cluster.usage import UsageRecord
 from router.errors import APIError
 
 log = logging.getLogger("baton.admission")
+
+_RATE_WINDOW_S = 30.0
+_FINISH_LOCK = threading.Lock()  # makes Ticket.finish's check-and-set atomic; held for nanoseconds
 
 
 class AdmissionError(APIError):
@@ -112,9 +116,10 @@ class Ticket:
     def finish(self, status: int, finish_reason: str, prompt_tokens: int = 0, cached_tokens: int = 0,
                completion_tokens: int = 0) -> bool:
         """End the request once: True for the call that did."""
-        if self.finished:
-            return False
-        self.finished = True
+        with _FINISH_LOCK:  # exit paths may race from threads (a drain, a store callback)
+            if self.finished:
+                return False
+            self.finished = True
         if self.gate is not None:
             self.gate.finish(self, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens)
         return True
@@ -145,6 +150,7 @@ class IngressGate:
         self._lock = threading.Lock()
         self._states: dict[str, _TenantState] = {}
         self._arrivals: dict[str, int] = {}  # authenticated requests per tenant: each owes one record
+        self._finishes: deque[float] = deque()  # when tickets ended, for the queue cap's Retry-After
         self.in_flight = 0
         self.draining = False
         self._idle = threading.Condition(self._lock)
@@ -189,7 +195,7 @@ class IngressGate:
         name = state.tenant.name
         if self.in_flight >= self.max_queued:
             return AdmissionError(429, f"{self.in_flight} requests in flight; the limit is {self.max_queued}",
-                                  "queue_full", retry_after_s=1.0, tenant=name)
+                                  "queue_full", retry_after_s=self._queue_wait_s(), tenant=name)
         if state.tokens is not None and state.tokens.level < 0:
             return AdmissionError(429, f"tenant {name!r} is over its token rate", "tenant_token_rate",
                                   retry_after_s=state.tokens.seconds_until(0.0), tenant=name)
@@ -197,6 +203,16 @@ class IngressGate:
             return AdmissionError(429, f"tenant {name!r} is over its request rate", "tenant_request_rate",
                                   retry_after_s=state.requests.seconds_until(), tenant=name)
         return None
+
+    def _queue_wait_s(self) -> float:
+        """How long until a place frees up, at the rate requests have been finishing (lock held)."""
+        now = self._clock()
+        while self._finishes and self._finishes[0] < now - _RATE_WINDOW_S:
+            self._finishes.popleft()
+        if not self._finishes:
+            return _RATE_WINDOW_S  # nothing finished lately: come back much later
+        rate = len(self._finishes) / max(now - self._finishes[0], 1.0)
+        return min(max((self.in_flight - self.max_queued + 1) / rate, 1.0), 600.0)
 
     def _state(self, tenant: Tenant) -> _TenantState:
         state = self._states.get(tenant.name)
@@ -235,6 +251,7 @@ class IngressGate:
                 if state.tokens is not None and ticket.charged_tokens:
                     state.tokens.refund(max(0, ticket.charged_tokens - prompt_tokens - completion_tokens))
             self.in_flight -= 1
+            self._finishes.append(self._clock())
             if self.in_flight == 0:
                 self._idle.notify_all()
         self._record(ticket, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens)

@@ -18,7 +18,8 @@ from cluster.config import ClusterConfig
 from cluster.serve import Deployment
 from cluster.usage.sqlite_store import SQLiteUsageStore
 
-KEYS = {"a": "sk-a", "b": "sk-b", "rate": "sk-rate", "flex": "sk-flex", "chaos": "sk-chaos", "admin": "sk-admin"}
+KEYS = {"a": "sk-a", "b": "sk-b", "rate": "sk-rate", "flex": "sk-flex", "chaos": "sk-chaos", "flood": "sk-flood",
+        "admin": "sk-admin"}
 NUM_BLOCKS, BLOCK = 64, 8
 
 
@@ -47,6 +48,10 @@ request_burst = 2
 [tenants.flex]
 api_keys = ["{hash_key(KEYS['flex'])}"]
 allow_degrade = true
+[tenants.flood]
+api_keys = ["{hash_key(KEYS['flood'])}"]
+requests_per_second = 1
+request_burst = 2
 [tenants.chaos]
 api_keys = ["{hash_key(KEYS['chaos'])}"]
 [admin]
@@ -149,6 +154,19 @@ def test_request_rate_429_with_retry_after(served):
     assert codes == [200, 200] and r.status_code == 429
     assert _error(r)["code"] == "tenant_request_rate" and int(r.headers["Retry-After"]) >= 1
     assert _post(served.url, "b", _body(max_tokens=2)).status_code == 200  # b is not a's bucket
+
+
+def test_a_flood_from_one_tenant_is_refused_at_its_rate_and_harms_no_one_else(served):
+    """Timing (B's TTFT alone and under the flood) is benchmarks/admission.py's; this pins who gets what."""
+    with ThreadPoolExecutor(8) as pool:
+        flood = [pool.submit(_post, served.url, "flood", _body(max_tokens=4)) for _ in range(24)]
+        others = [pool.submit(_post, served.url, "b", _body(max_tokens=4)) for _ in range(6)]
+        flood_codes = [f.result().status_code for f in flood]
+        other_codes = [f.result().status_code for f in others]
+    assert other_codes == [200] * 6
+    assert 2 <= flood_codes.count(200) <= 6 and flood_codes.count(429) >= 18  # burst 2, then 1/s
+    assert set(flood_codes) == {200, 429}
+    _wait_free(served)
 
 
 def test_queue_then_admit(served):

@@ -41,6 +41,7 @@ class MigrationMeta:
     age_s: float  # seconds since arrival, so queue/TTFT metrics survive the hop
     num_cached_tokens: int
     generator_state: bytes | None
+    tenant: str = ""  # whom the decode worker's fair scheduler counts it for
 
     def sampling_params(self) -> SamplingParams:
         raw = dict(self.params)
@@ -68,7 +69,7 @@ class KVMigrationMixin:
             prompt_token_ids=list(req.prompt_token_ids), output_token_ids=req.output_token_ids,
             params=asdict(req.params), max_total_tokens=req.max_total_tokens, priority=req.priority,
             cache_salt=req.cache_salt, age_s=time.monotonic() - req.arrival_time,
-            num_cached_tokens=max(req.num_cached_tokens, 0), generator_state=state)
+            num_cached_tokens=max(req.num_cached_tokens, 0), generator_state=state, tenant=req.tenant)
         return meta, list(self.block_manager.block_table(member_id))
 
     def release_parked(self: EngineCore, member_id: str) -> bool:
@@ -90,7 +91,8 @@ class KVMigrationMixin:
         params = meta.sampling_params()
         req = Request(meta.member_id, meta.prompt_token_ids, params, meta.max_total_tokens,
                       arrival_time=time.monotonic() - meta.age_s, priority=meta.priority,
-                      cache_salt=meta.cache_salt, parent_id=meta.request_id, index=meta.index)
+                      cache_salt=meta.cache_salt, parent_id=meta.request_id, index=meta.index,
+                      tenant=meta.tenant)
         for tok in meta.output_token_ids:
             req.append_token(tok)
         # The grammar's state does not travel: it is rebuilt from the tokens emitted so far.

@@ -79,11 +79,16 @@ def test_token_rate_debt_refuses_until_paid_back_and_refunds_unused(tmp_path):
 
 
 def test_global_cap_draining_and_body_size(tmp_path, store):
-    gate = IngressGate(_directory(tmp_path), max_queued=2, max_body_bytes=1000, usage=store)
+    clock = Clock()
+    gate = IngressGate(_directory(tmp_path), max_queued=2, max_body_bytes=1000, usage=store, clock=clock)
+    for _ in range(4):  # a history: a request finishes every 2 s
+        gate.admit("Bearer ka").finish(200, "stop")
+        clock.t += 2.0
     a, b = gate.admit("Bearer ka"), gate.admit("Bearer kb")
     with pytest.raises(AdmissionError) as err:
         gate.admit("Bearer ka")
     assert err.value.reason == "queue_full" and err.value.status_code == 429
+    assert err.value.headers["Retry-After"] == "2"  # one place, at the 0.5/s the requests finish at
     a.finish(200, "stop")
     with pytest.raises(AdmissionError) as err:
         gate.admit("Bearer ka", content_length=5000)

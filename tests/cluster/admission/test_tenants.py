@@ -86,3 +86,19 @@ def test_admin_keys(tmp_path):
         d.authenticate("Bearer root")  # an admin key is not a tenant's
     # Without an [admin] table any tenant key reads the metrics.
     assert TenantDirectory.single_key("k").is_admin("Bearer k")
+
+
+def test_the_example_tenants_file_loads_and_its_keys_work():
+    from pathlib import Path
+
+    d = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "deploy" / "tenants.example.toml")
+    assert d.authenticate("Bearer sk-example-acme").tenant.name == "acme"
+    assert d.authenticate("Bearer sk-example-beta").tenant.priority == 1
+    assert d.is_admin("Bearer sk-example-admin")
+
+
+def test_keys_hash_cli_prints_the_digest(capsys):
+    from cluster.cli import main
+
+    assert main(["keys", "hash", "sk-x"]) == 0
+    assert capsys.readouterr().out.startswith(hash_key("sk-x") + "  # key-")

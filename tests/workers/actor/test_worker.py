@@ -10,7 +10,7 @@ import pytest
 
 from workers import LLM, SamplingParams
 from workers.actor.messages import decode_deltas, params_to_dict
-from workers.actor.output_stream import frame, read_frame
+from workers.actor.output_stream import frame, hello_payload, read_frame
 from workers.actor.worker import Worker
 from workers.errors import KVTransferError
 
@@ -128,9 +128,10 @@ def test_outputs_go_down_a_connected_front_stream_and_a_front_that_hangs_up_lose
             assert time.monotonic() < deadline
             time.sleep(0.02)
         # ... and come first on the stream, in the answer to its hello.
-        host, port = worker.info()["output_address"]
+        info = worker.info()
+        host, port = info["output_address"]
         sock = socket.create_connection((host, port), timeout=30)
-        sock.sendall(frame(b"f"))
+        sock.sendall(frame(hello_payload("f", info["output_secret"])))
         assert _frames_until_finished(sock, read_frame(sock, 1 << 24)) == want
         worker.add_request("b", prompt, params_to_dict(PARAMS), front_id="f")
         assert _frames_until_finished(sock) == want

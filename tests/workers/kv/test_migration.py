@@ -86,3 +86,18 @@ def test_reserve_fails_cleanly_when_decode_cache_is_full(tiny_model_dir):
     assert d_llm.engine.block_manager.num_free_blocks == 2 and not d_llm.engine.incoming
     p.abort_request("x")  # an abort while parked frees the held KV
     assert p.block_manager.num_free_blocks == 64 and not p.parked and not p.groups
+
+
+def test_the_tenant_travels_with_the_kv(tiny_model_dir):
+    p_llm, d_llm = _engines(tiny_model_dir)
+    p, d = p_llm.engine, d_llm.engine
+    p.add_request("t", p_llm.tokenizer.encode("Hello there"), SamplingParams(max_tokens=4), prefill_only=True,
+                  tenant="acme")
+    while not any(delta.kv_ready for delta in p.step()):
+        pass
+    meta, _ = p.migration_meta("t")
+    assert meta.tenant == "acme"
+    d.reserve_remote(meta)
+    assert d.incoming["t"].tenant == "acme"
+    d.admit_remote("t")
+    assert d.scheduler.requests["t"].tenant == "acme"
