@@ -13,6 +13,8 @@
    at its rate (Poisson) alone, then while A sends at its rate, then while A sends at 10x its rate.
    Reported: B's TTFT p50/p99 in each phase, the ratios to B alone (target: p99 within 1.5x) and to
    B beside A at its rate (what the flood's excess costs B), A's 429s and admitted count.
+4. **Tenant isolation in time**: B's TTFT on a prompt A has just cached against a fresh one of the
+   same length (equal: A's blocks are in A's namespace), and A's own hit, for scale.
 
     .venv/bin/python benchmarks/admission.py --out benchmarks/results/admission.json
 """
@@ -387,11 +389,53 @@ def part_flood(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return result
 
 
+# ---------------------------------------------------------------------------- 4. isolation
+def part_isolation(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Does another tenant's cache show in a tenant's TTFT? B sends the long prompt A has just run
+    (cached in A's namespace only) and, alternately, a fresh prompt of the same length; A re-sends
+    its own cached prompt, to show what a hit is worth."""
+    import httpx
+
+    from cluster.admission.tenants import hash_key
+    from router.server import ServerThread
+
+    tenants = workdir / "isolation.toml"
+    tenants.write_text(f'[tenants.a]\napi_keys = ["{hash_key(A_KEY)}"]\n[tenants.b]\napi_keys = ["{hash_key(B_KEY)}"]\n')
+    dep = _deployment(workdir, tenants, args.model)
+    server = ServerThread(dep.app).start()
+    a, b = {"Authorization": f"Bearer {A_KEY}"}, {"Authorization": f"Bearer {B_KEY}"}
+    rng = random.Random(3)
+    words = "river stone lantern orchard copper meadow harbour signal velvet ember".split()
+    seen_by_b, fresh_for_b, hit_for_a = [], [], []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            for i in range(args.isolation_rounds):
+                text = " ".join(rng.choice(words) for _ in range(300))  # ~300 tokens, new each round
+                other = " ".join(rng.choice(words) for _ in range(300))
+                await _ttft(client, server.url, a, text)  # now cached for A
+                hit_for_a.append(await _ttft(client, server.url, a, text))
+                order = [(text, seen_by_b), (other, fresh_for_b)]
+                for prompt, sink in (order if i % 2 == 0 else order[::-1]):
+                    sink.append(await _ttft(client, server.url, b, prompt))
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
+        dep.stop()
+    ms = lambda xs: {"p50": _pct(xs, 50) * 1e3, "p90": _pct(xs, 90) * 1e3}  # noqa: E731
+    return {"rounds": args.isolation_rounds, "b_on_a_cached_prompt_ms": ms(seen_by_b),
+            "b_on_fresh_prompt_ms": ms(fresh_for_b), "a_on_its_cached_prompt_ms": ms(hit_for_a),
+            "b_cached_over_fresh_p50": statistics.median(seen_by_b) / statistics.median(fresh_for_b)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--serve-gate", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tenants", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--parts", default="gate,stage2,flood")
+    parser.add_argument("--parts", default="gate,stage2,flood,isolation")
+    parser.add_argument("--isolation-rounds", type=int, default=20)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     parser.add_argument("--reject-rate", type=float, default=2000.0)
     parser.add_argument("--reject-seconds", type=float, default=5.0)
@@ -421,6 +465,9 @@ def main() -> int:
         if "flood" in parts:
             results["flood"] = part_flood(args, workdir)
             print(json.dumps(results["flood"], indent=1), flush=True)
+        if "isolation" in parts:
+            results["isolation"] = part_isolation(args, workdir)
+            print(json.dumps(results["isolation"], indent=1), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

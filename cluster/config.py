@@ -126,9 +126,7 @@ class AdmissionSection(BaseModel):
     def _known(cls, value: str) -> str:
         from cluster.admission.kv import admission_policies
 
-        if value not in admission_policies():
-            raise ValueError(f"unknown admission policy {value!r}; known: {', '.join(admission_policies())}")
-        return value
+        return _one_of(value, admission_policies(), "admission policy")
 
 
 class UsageSection(BaseModel):
@@ -144,9 +142,7 @@ class UsageSection(BaseModel):
     def _known(cls, value: str) -> str:
         from cluster.usage import usage_store_names
 
-        if value not in usage_store_names():
-            raise ValueError(f"unknown usage store {value!r}; known: {', '.join(usage_store_names())}")
-        return value
+        return _one_of(value, usage_store_names(), "usage store")
 
 
 class RouterSection(BaseModel):
@@ -170,9 +166,7 @@ class RouterSection(BaseModel):
     def _known(cls, value: str) -> str:
         from router.routing import policy_names
 
-        if value not in policy_names():
-            raise ValueError(f"unknown routing policy {value!r}; known: {', '.join(policy_names())}")
-        return value
+        return _one_of(value, policy_names(), "routing policy")
 
     def make_policy(self) -> Any:
         """The configured policy object (its options from this section where it takes them)."""
@@ -217,6 +211,13 @@ class ClusterConfig(BaseModel):
             section, field = key.split(".", 1)
             data[section][field] = value
         return ClusterConfig.model_validate(data)
+
+
+def _one_of(value: str, names: list[str], what: str) -> str:
+    """``value`` if it is a registered name; the ValueError lists the known ones."""
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; known: {', '.join(names)}")
+    return value
 
 
 class ConfigError(ValueError):

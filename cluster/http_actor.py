@@ -27,12 +27,17 @@ class Front:
     pool: PoolClient
     metrics: Metrics
     admission: FrontAdmission
+    gateway: Any = None  # router.gateway.Gateway
     loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once it runs
 
 
 def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, model_path: str, model_name: str,
-                controller: Any = None, sole_front: bool = True, num_fronts: int = 1) -> Front:
-    """Pool client, metrics, admission and the OpenAI app of one front, from a ``ClusterConfig``."""
+                controller: Any = None, sole_front: bool = True, num_fronts: int = 1,
+                run_owners: Any = None) -> Front:
+    """Pool client, metrics, admission and the OpenAI app of one front, from a ``ClusterConfig``.
+
+    ``run_owners`` (``cluster.admission.idempotency_owners.RayRunOwners``) shares idempotent runs
+    with the other fronts on the port."""
     from router.api import build_app
     from router.gateway import Gateway
     from router.idempotency import IdempotencyStore
@@ -48,9 +53,9 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
                       index_ttl_s=router.index_ttl_s, sole_front=sole_front, admission=admission.kv)
     server = config.server
     gateway = Gateway(admission.gate, IdempotencyStore(ttl_s=server.idempotency_ttl_s,
-                                                       grace_s=server.idempotency_grace_s))
+                                                       grace_s=server.idempotency_grace_s), owners=run_owners)
     tokenizer = Tokenizer.from_folder(model_path)
-    front = Front(None, pool, metrics, admission)
+    front = Front(None, pool, metrics, admission, gateway)
 
     def remember_loop() -> None:
         front.loop = asyncio.get_running_loop()
@@ -69,7 +74,9 @@ class HTTPFront:
     def __init__(self, workers: list[dict[str, Any]], limits: dict[str, int], model_path: str,
                  model_name: str, host: str, port: int, max_queued: int, controller: Any = None,
                  reuse_port: bool = False, routing: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None, num_fronts: int = 1) -> None:
+                 config: dict[str, Any] | None = None, num_fronts: int = 1, front_index: int = 0,
+                 owners_directory: Any = None) -> None:
+        from cluster.admission.idempotency_owners import RayRunOwners
         from cluster.config import ClusterConfig
         from router.server import ServerThread
 
@@ -78,8 +85,10 @@ class HTTPFront:
         cfg = cfg.with_overrides(**{"server.max_queued_requests": max_queued})
         if routing is not None:
             cfg = cfg.model_copy(update={"router": RouterSection.model_validate(routing)})
+        self.front_id = f"front-{front_index}"
+        owners = RayRunOwners(owners_directory, self.front_id) if owners_directory is not None else None
         self.front = build_front(cfg, refs, RequestLimits(**limits), model_path, model_name, controller,
-                                 sole_front=not reuse_port, num_fronts=num_fronts)
+                                 sole_front=not reuse_port, num_fronts=num_fronts, run_owners=owners)
         self.metrics, self.pool = self.front.metrics, self.front.pool
         self.drain_timeout_s = cfg.server.drain_timeout_s
         self.server = ServerThread(self.front.app, host=host, port=port, log_level="warning", reuse_port=reuse_port,
@@ -88,6 +97,25 @@ class HTTPFront:
 
     def url(self) -> str:
         return self.server.url
+
+    def set_fronts(self, fronts: dict[str, Any]) -> None:
+        """The other fronts' handles, by front id (to replay idempotent runs they record)."""
+        if self.front.gateway.owners is not None:
+            self.front.gateway.owners.fronts = dict(fronts)
+
+    def idempotent_snapshot(self, scope: str, key: str, after: int, wait_s: float) -> dict[str, Any] | None:
+        """This front's record of an idempotent run, for a retry another front took (long poll)."""
+        if self.front.loop is None:
+            return None
+        future = asyncio.run_coroutine_threadsafe(self.front.gateway.snapshot(scope, key, after, wait_s),
+                                                  self.front.loop)
+        return future.result(wait_s + 30)
+
+    def stats(self) -> dict[str, Any]:
+        """What this front has seen: authenticated arrivals per tenant, requests in flight."""
+        gate = self.front.admission.gate
+        return {"front_id": self.front_id, "in_flight": gate.in_flight,
+                "arrivals": {name: gate.arrivals(name) for name in gate.directory.tenants}}
 
     def drain(self, timeout_s: float | None = None) -> int:
         """SIGTERM: ``/ready`` 503 and new requests 503 at once; open streams get ``timeout_s``
@@ -121,11 +149,22 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=4, scheduling_strategy=here)
+    # Threads for the long polls of idempotent replays between fronts, beside drain and stats calls.
+    actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here)
     config = cluster.config.model_dump()
+    owners = None
+    if count > 1:
+        from cluster.admission.idempotency_owners import IdempotencyOwners
+
+        owners = ray.remote(IdempotencyOwners).options(num_cpus=0, scheduling_strategy=here).remote(
+            cluster.config.server.idempotency_ttl_s)
     fronts = [actor.remote(workers, limits, str(cluster.model_path), model_name, host, port, max_queued,
-                           cluster.controller, count > 1, routing, config, count) for _ in range(count)]
+                           cluster.controller, count > 1, routing, config, count, i, owners)
+              for i in range(count)]
     ray.get([f.url.remote() for f in fronts])
+    if owners is not None:
+        by_id = {f"front-{i}": f for i, f in enumerate(fronts)}
+        ray.get([f.set_fronts.remote(by_id) for f in fronts])
     return fronts
 
 

@@ -31,6 +31,29 @@ Body = TypeVar("Body", bound=BaseModel)
 Serve = Callable[[Any, Any, Any], Awaitable[Response]]
 
 
+class RunOwners(Protocol):
+    """Which front records each idempotent run, when several fronts share a port
+    (``cluster.admission.idempotency_owners``); a retry landing on another front replays it from
+    the owner instead of generating it again."""
+
+    front_id: str
+
+    async def claim(self, scope: str, key: str, fingerprint: str, replace: str | None = None) -> str:
+        """The owning front's id: this one's when it takes the key now (or takes it over from a dead
+        ``replace``). Raises ``IdempotencyConflict`` for another fingerprint."""
+        ...
+
+    async def release(self, scope: str, key: str, keep: bool) -> None:
+        """The owner's run ended: kept for replay (``keep``) or dropped (failed before any byte)."""
+        ...
+
+    async def fetch(self, owner: str, scope: str, key: str, after: int, wait_s: float) -> dict[str, Any] | None:
+        """The owner's run past chunk ``after`` (waiting up to ``wait_s`` for news): ``status``,
+        ``headers``, ``media_type``, ``chunks``, ``finished``; None once the owner no longer keeps it.
+        Raises when the owner is unreachable."""
+        ...
+
+
 class Gate(Protocol):
     """Stage 1 of admission as the HTTP layer uses it (``cluster.admission.gate.IngressGate``)."""
 
@@ -84,9 +107,10 @@ class Gateway:
     """Admits, parses and (for idempotent requests) records one request on its way to ``serve``."""
 
     def __init__(self, gate: Gate | None = None, idempotency: IdempotencyStore | None = None,
-                 max_body_bytes: int = 4 << 20) -> None:
+                 max_body_bytes: int = 4 << 20, owners: RunOwners | None = None) -> None:
         self.gate = gate
         self.idempotency = idempotency
+        self.owners = owners
         self.max_body_bytes = gate.max_body_bytes if gate is not None else max_body_bytes
         self._pumps: set[asyncio.Task[None]] = set()
 
@@ -129,8 +153,15 @@ class Gateway:
         store = self.idempotency
         assert store is not None
         scope = getattr(ticket, "tenant_name", "") if ticket is not None else ""
+        fingerprint = IdempotencyStore.fingerprint(raw, request.url.path)
         try:
-            run, created = store.begin(scope, key, IdempotencyStore.fingerprint(raw, request.url.path))
+            if self.owners is not None:
+                owner = await self.owners.claim(scope, key, fingerprint)
+                if owner != self.owners.front_id:
+                    replay = await self._replay_remote(request, owner, scope, key, fingerprint, ticket)
+                    if replay is not None:
+                        return replay
+            run, created = store.begin(scope, key, fingerprint)
         except IdempotencyConflict as exc:
             raise APIError(422, f"Idempotency-Key {key!r} was used with a different request body: {exc}",
                            param="Idempotency-Key", code="idempotency_key_reused") from None
@@ -144,7 +175,7 @@ class Gateway:
         if created:
             if ticket is not None:
                 ticket.detached = True  # the pump closes it, after this handler may have returned
-            pump = asyncio.create_task(self._pump(run, serve(body, _Detached(), ticket)))
+            pump = asyncio.create_task(self._pump(run, serve(body, _Detached(), ticket), self.owners, scope, key))
             self._pumps.add(pump)
             pump.add_done_callback(self._pumps.discard)
             run.on_abandoned = pump.cancel  # nobody listened for the grace period: stop generating
@@ -153,8 +184,59 @@ class Gateway:
             ticket.finish(200, "replayed")
         return await self._replay(request, run, _last_event_id(request))
 
+    async def _replay_remote(self, request: Request, owner: str, scope: str, key: str, fingerprint: str,
+                             ticket: Any) -> Response | None:
+        """Replay the run another front records; None (run it here) when that front is gone and this
+        one took the key over."""
+        owners = self.owners
+        assert owners is not None
+        after = max(_last_event_id(request), -1)
+        try:
+            first = await owners.fetch(owner, scope, key, after, 0.0)
+            while first is not None and not first["status"]:  # not started yet
+                first = await owners.fetch(owner, scope, key, after, 1.0)
+        except Exception:  # the owner is gone: its run with it; this front runs the request
+            if await owners.claim(scope, key, fingerprint, replace=owner) == owners.front_id:
+                return None
+            raise APIError(503, "the front recording this idempotent request is gone; retry",
+                           headers={"Retry-After": "1"}) from None
+        if first is None:  # expired there meanwhile: the key is free again
+            if await owners.claim(scope, key, fingerprint, replace=owner) == owners.front_id:
+                return None
+            raise APIError(503, "the idempotent request moved; retry", headers={"Retry-After": "1"})
+        if ticket is not None:
+            ticket.idempotency_key = key
+            ticket.request_id = ""
+            ticket.finish(200, "replayed")
+        if first["media_type"] != "text/event-stream":
+            while not first["finished"]:
+                more = await owners.fetch(owner, scope, key, -1, 5.0)
+                if more is None:
+                    raise APIError(503, "the idempotent request's record was lost; retry")
+                first = more
+            return Response("".join(first["chunks"]), status_code=first["status"], headers=first["headers"] or None,
+                            media_type=first["media_type"])
+
+        async def events() -> AsyncIterator[str]:
+            snap, last = first, after
+            while True:
+                for chunk in snap["chunks"]:
+                    last += 1
+                    yield f"id: {last}\n{chunk}"
+                if snap["finished"]:
+                    return
+                nxt = await owners.fetch(owner, scope, key, last, 5.0)
+                if nxt is None:
+                    return
+                snap = nxt
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **first["headers"]}
+        return StreamingResponse(events(), status_code=first["status"], headers=headers,
+                                 media_type="text/event-stream")
+
     @staticmethod
-    async def _pump(run: RecordedResponse, produce: Awaitable[Response]) -> None:
+    async def _pump(run: RecordedResponse, produce: Awaitable[Response], owners: RunOwners | None = None,
+                    scope: str = "", key: str = "") -> None:
         """Generate the response once, recording it for every client that replays it."""
         response: Response | None = None
         try:
@@ -180,6 +262,9 @@ class Gateway:
                     await response.body_iterator.aclose()
             if isinstance(response, EventStreamResponse):
                 response.on_close()
+            if owners is not None:
+                with contextlib.suppress(Exception):  # the directory is advisory past this point
+                    await owners.release(scope, key, keep=not run.failed)
 
     @staticmethod
     async def _replay(request: Request, run: RecordedResponse, after: int) -> Response:
@@ -201,6 +286,17 @@ class Gateway:
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **run.headers}
         return StreamingResponse(events(), status_code=run.status, headers=headers, media_type="text/event-stream")
+
+    async def snapshot(self, scope: str, key: str, after: int, wait_s: float) -> dict[str, Any] | None:
+        """This front's recorded run past chunk ``after``, for a retry that landed on another front
+        (``RunOwners.fetch``); waits up to ``wait_s`` for something new."""
+        run = self.idempotency.get(scope, key) if self.idempotency is not None else None
+        if run is None:
+            return None
+        if wait_s > 0:
+            await run.wait_for(after + 2, wait_s)
+        return {"status": run.status, "headers": dict(run.headers), "media_type": run.media_type,
+                "chunks": run.chunks[after + 1:], "finished": run.finished}
 
     async def close(self) -> None:
         """Cancel the generations still recording (server shutdown)."""

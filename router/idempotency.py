@@ -104,6 +104,19 @@ class RecordedResponse:
         self._started.set()
         self._end(keep=False)
 
+    async def wait_for(self, count: int, timeout_s: float) -> None:
+        """Return once ``count`` chunks are recorded, the run finished, or ``timeout_s`` passed."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            changed = self._changed  # before the check: a change right after it still wakes us
+            left = deadline - asyncio.get_running_loop().time()
+            if len(self.chunks) >= count or self.finished or left <= 0:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
     async def wait_started(self) -> None:
         """Return once ``start`` (or ``fail``) recorded a status."""
         await self._started.wait()
@@ -230,6 +243,12 @@ class IdempotencyStore:
         run._on_end = lambda keep: self._ended(k, entry, keep)
         self._entries[k] = entry
         return run, True
+
+    def get(self, scope: str, key: str) -> RecordedResponse | None:
+        """The run recorded under (scope, key), if it is still kept (for another front's replay)."""
+        self._expire()
+        entry = self._entries.get((scope, key))
+        return entry.run if entry is not None else None
 
     @staticmethod
     def fingerprint(body: bytes, path: str) -> str:

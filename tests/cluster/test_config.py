@@ -37,3 +37,24 @@ def test_serve_takes_the_policy_on_the_command_line() -> None:
     args = build_parser().parse_args(["serve", "--routing-policy", "least_loaded"])
     assert args.routing_policy == "least_loaded"
     assert load_config(None).with_overrides(**{"router.policy": args.routing_policy}).router.policy == "least_loaded"
+
+
+def test_admission_usage_and_server_defaults() -> None:
+    c = load_config(None)
+    assert (c.admission.policy, c.admission.reserve_fraction, c.admission.queue_timeout_s) == ("reserve", 1.0, 30.0)
+    assert c.usage.store == "sqlite" and c.engine.scheduling_policy == "fair"
+    assert c.server.api_key is None and c.server.tenants is None and c.server.drain_timeout_s == 30.0
+
+
+def test_unknown_admission_policy_or_usage_store_fails_naming_the_known(tmp_path) -> None:
+    for text, known in (('[admission]\npolicy = "lottery"\n', "reserve, unlimited"),
+                        ('[usage]\nstore = "kafka"\n', "sqlite")):
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(text)
+        with pytest.raises(ConfigError, match=known):
+            load_config(cfg)
+
+
+def test_serve_takes_the_api_key_and_tenants_on_the_command_line() -> None:
+    args = build_parser().parse_args(["serve", "--api-key", "sk-1", "--tenants", "t.toml"])
+    assert args.api_key == "sk-1" and args.tenants == "t.toml"

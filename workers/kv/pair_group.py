@@ -171,6 +171,10 @@ class PairGroup:
         """Joined, not closed, and no failed operation left the byte stream out of step."""
         return self._pg is not None and not self._broken and not self._closed
 
+    def mark_broken(self) -> None:
+        """A caller's operation failed part-way: nothing more may go over this group."""
+        self._broken = True
+
     def _live_pg(self) -> Any:
         if not self.usable:
             raise KVTransferError("pair group is not joined, broken or closed")

@@ -9,7 +9,7 @@ from typing import Any
 
 from kernels import openmp
 from workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
-from workers.kv.pair_group import PairGroup, PairRendezvous
+from workers.kv.pair_group import KVTransferRejected, PairGroup, PairRendezvous
 from workers.kv.transfer import transfer_key
 
 
@@ -34,15 +34,27 @@ class CollectiveConnector(KVConnector):
         with self._lock(peer_id):
             group = self._pair(peer_id, peer)
             ref = peer.kv_receive.remote(self.name, host.worker_id, shipment.member_id, dst, None)
-            # per-layer sends overlap the next gather with the wire; worth it past a few MB
-            nbytes = host.transfer.send_blocks(group, blocks, transfer_id=transfer_key(shipment.member_id),
-                                               per_layer=len(blocks) >= 16)
+            try:
+                # per-layer sends overlap the next gather with the wire; worth it past a few MB
+                nbytes = host.transfer.send_blocks(group, blocks, transfer_id=transfer_key(shipment.member_id),
+                                                   per_layer=len(blocks) >= 16)
+            except KVTransferRejected:
+                raise  # a refused header moved nothing: the stream is still in step
+            except BaseException:
+                group.mark_broken()  # whatever failed mid-transfer, the two sides are out of step
+                raise
             ray_get(ref, host.kv_timeout_s)
         return nbytes
 
     def abandon(self, peer_id: str, peer: Any, shipment: KVShipment) -> None:
         super().abandon(peer_id, peer, shipment)
-        self._drop(peer_id)
+        # Only a broken group goes, and under the pair's lock: a shipment that failed before it
+        # touched the group (its request aborted at the reservation) must not close the group
+        # under the next request's transfer.
+        with self._lock(peer_id):
+            group = self._pairs.get(peer_id)
+            if group is not None and not group.usable:
+                self._drop(peer_id)
 
     def _lock(self, peer_id: str) -> threading.Lock:
         with self._locks_guard:
