@@ -157,7 +157,8 @@ class PoolClient:
                 self.admission.release(wire_id)
             raise
         if self._streams.get(request_id) is not placeholder:  # aborted (drain) while it queued
-            self.admission is not None and self.admission.release(wire_id)
+            if self.admission is not None:
+                self.admission.release(wire_id)
             for i in range(params.n):
                 yield TokenDelta(request_id, i, [], finish_reason="abort", stop_reason="aborted while queued")
             return
