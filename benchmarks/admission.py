@@ -455,19 +455,10 @@ def main() -> int:
                                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        parts = args.parts.split(",")
-        if "gate" in parts:
-            results["gate"] = part_gate(args, workdir)
-            print(json.dumps(results["gate"], indent=1), flush=True)
-        if "stage2" in parts:
-            results["stage2"] = part_stage2(args, workdir)
-            print(json.dumps(results["stage2"], indent=1), flush=True)
-        if "flood" in parts:
-            results["flood"] = part_flood(args, workdir)
-            print(json.dumps(results["flood"], indent=1), flush=True)
-        if "isolation" in parts:
-            results["isolation"] = part_isolation(args, workdir)
-            print(json.dumps(results["isolation"], indent=1), flush=True)
+        runners = {"gate": part_gate, "stage2": part_stage2, "flood": part_flood, "isolation": part_isolation}
+        for part in args.parts.split(","):
+            results[part] = runners[part](args, workdir)
+            print(json.dumps(results[part], indent=1), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
