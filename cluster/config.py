@@ -182,6 +182,8 @@ class RaySection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str | None = None  # None: start a local Ray instance; "auto": join a cluster
     num_cpus: int | None = None
+    namespace: str = Field("baton", min_length=1, description="the Ray namespace of the deployment's named "
+                           "actors (prefill-0, decode-0, colocated-0, controller, front-0, ...)")
 
 
 class ClusterConfig(BaseModel):

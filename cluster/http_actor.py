@@ -150,7 +150,8 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     # Threads for the long polls of idempotent replays between fronts, beside drain and stats calls.
-    actor = ray.remote(HTTPFront).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here)
+    actor = ray.remote(HTTPFront)
+    options = {"num_cpus": 0, "max_concurrency": 64, "scheduling_strategy": here}
     config = cluster.config.model_dump()
     owners = None
     if count > 1:
@@ -158,14 +159,19 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
 
         owners = ray.remote(IdempotencyOwners).options(num_cpus=0, scheduling_strategy=here).remote(
             cluster.config.server.idempotency_ttl_s)
-    fronts = [actor.remote(workers, limits, str(cluster.model_path), model_name, host, port, max_queued,
-                           cluster.controller, count > 1, routing, config, count, i, owners)
-              for i in range(count)]
+    fronts = [actor.options(**options, **_name(cluster, f"front-{i}")).remote(
+        workers, limits, str(cluster.model_path), model_name, host, port, max_queued, cluster.controller,
+        count > 1, routing, config, count, i, owners) for i in range(count)]
     ray.get([f.url.remote() for f in fronts])
     if owners is not None:
         by_id = {f"front-{i}": f for i, f in enumerate(fronts)}
         ray.get([f.set_fronts.remote(by_id) for f in fronts])
     return fronts
+
+
+def _name(cluster: Any, name: str) -> dict[str, Any]:
+    namer = getattr(cluster, "actor_name", None)
+    return namer(name) if namer is not None else {}
 
 
 def drain_fronts(fronts: list[Any], timeout_s: float) -> int:

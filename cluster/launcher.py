@@ -34,7 +34,7 @@ def init_ray(config: ClusterConfig, num_cpus: int | None = None) -> bool:
                       object_store_memory=512 << 20)
     else:
         kwargs["address"] = config.ray.address
-    ray.init(**kwargs)
+    ray.init(namespace=config.ray.namespace, **kwargs)
     return True
 
 
@@ -149,6 +149,7 @@ class Cluster:
         self.workers: list[WorkerRef] = []
         self.controller: Any = None
         self._started_ray = False
+        self.named = False
         self._board: Path | None = None  # the core-share board of workers sharing this machine
         # The workers' output sockets serve only fronts that know it (one per deployment).
         self.front_secret = secrets.token_hex(16)
@@ -175,6 +176,10 @@ class Cluster:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._started_ray = init_ray(self.config)
+        # Named actors where this deployment opened the Ray connection, so it owns the namespace
+        # (``baton serve``): operators find them with ray.get_actor(name, namespace=...). A caller
+        # that brought its own Ray session (a test, a notebook) may run several deployments in it.
+        self.named = self._started_ray
         pending: list[tuple[str, str, Any]] = []
         try:
             if mode == "share":
@@ -203,7 +208,7 @@ class Cluster:
                      if self._board is not None else None)
             handle = actor_cls.options(
                 **actor_options(self.config, role), max_concurrency=32,
-                runtime_env={"env_vars": env}, name=None,
+                runtime_env={"env_vars": env}, **self.actor_name(wid),
             ).remote(wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
                      self.config.kv_transfer.timeout_s, core_share=share, front_secret=self.front_secret)
             pending.append((wid, role, handle))
@@ -220,8 +225,21 @@ class Cluster:
         # a worker's node, losing that node would also lose the view of every other worker.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.controller = ray.remote(GlobalController).options(
-            num_cpus=0, max_concurrency=8, scheduling_strategy=here).remote(self.config.server.max_queued_requests)
+            **self.actor_name("controller"), num_cpus=0, max_concurrency=8, scheduling_strategy=here).remote(self.config.server.max_queued_requests)
         ray.get([self.controller.register.remote(w.worker_id, w.role, w.handle) for w in self.workers])
+
+    def actor_name(self, name: str) -> dict[str, Any]:
+        """Ray actor options naming one of this deployment's actors (none when it is not named)."""
+        if not self.named:
+            return {}
+        import ray
+
+        try:
+            ray.get_actor(name, namespace=self.config.ray.namespace)
+        except ValueError:
+            return {"name": name, "namespace": self.config.ray.namespace}
+        raise RuntimeError(f"Ray namespace {self.config.ray.namespace!r} already has an actor named {name!r}: "
+                           "another deployment runs there; give this one its own [ray] namespace")
 
     @property
     def model_path(self) -> Path:
