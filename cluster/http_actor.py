@@ -159,7 +159,7 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
 
         owners = ray.remote(IdempotencyOwners).options(num_cpus=0, scheduling_strategy=here).remote(
             cluster.config.server.idempotency_ttl_s)
-    fronts = [actor.options(**options, **_name(cluster, f"front-{i}")).remote(
+    fronts = [actor.options(**options, **cluster.actor_name(f"front-{i}")).remote(
         workers, limits, str(cluster.model_path), model_name, host, port, max_queued, cluster.controller,
         count > 1, routing, config, count, i, owners) for i in range(count)]
     ray.get([f.url.remote() for f in fronts])
@@ -167,11 +167,6 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
         by_id = {f"front-{i}": f for i, f in enumerate(fronts)}
         ray.get([f.set_fronts.remote(by_id) for f in fronts])
     return fronts
-
-
-def _name(cluster: Any, name: str) -> dict[str, Any]:
-    namer = getattr(cluster, "actor_name", None)
-    return namer(name) if namer is not None else {}
 
 
 def drain_fronts(fronts: list[Any], timeout_s: float) -> int:

@@ -124,6 +124,7 @@ class Metrics:
                                             "restarted worker; gap: events lost)", ["worker", "reason"],
                                             registry=r)
         self._counters: dict[tuple[str, str], _WorkerCounters] = {}
+        self._queued_classes: set[int] = set()  # priority classes the queue-depth gauge shows
 
     def observe_request(self, arrival: float, first_token: float | None, token_times: list[float],
                         prompt_tokens: int, output_tokens: int, finish_reason: str | None,
@@ -155,13 +156,12 @@ class Metrics:
         self.queue_time.labels(self.model_name).observe(ticket.queue_time_s)
 
     def observe_admission_queue(self, depths: dict[int, int]) -> None:
-        seen = set()
+        """Stage 2's ``on_queue`` hook; a class whose queue emptied reads 0, not its last depth."""
+        for priority in self._queued_classes - depths.keys():
+            self.admission_queue_depth.labels(str(priority)).set(0)
         for priority, depth in depths.items():
             self.admission_queue_depth.labels(str(priority)).set(depth)
-            seen.add(str(priority))
-        for labels in list(self.admission_queue_depth._metrics):  # classes whose queue emptied
-            if labels[0] not in seen:
-                self.admission_queue_depth.labels(*labels).set(0)
+        self._queued_classes = set(depths)
 
     def observe_ledger(self, worker: str, reserved: int, capacity: int) -> None:
         self.kv_reserved_blocks.labels(worker).set(reserved)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from router.errors import APIError, to_api_error, validation_error
 from router.idempotency import IdempotencyConflict, IdempotencyStore, IdempotencyStoreFull, RecordedResponse
-from router.server import ClientGone, EventStreamResponse, run_until_disconnected
+from router.server import SSE_HEADERS, ClientGone, EventStreamResponse, run_until_disconnected
 
 Body = TypeVar("Body", bound=BaseModel)
 Serve = Callable[[Any, Any, Any], Awaitable[Response]]
@@ -217,12 +217,12 @@ class Gateway:
             return Response("".join(first["chunks"]), status_code=first["status"], headers=first["headers"] or None,
                             media_type=first["media_type"])
 
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[tuple[int, str]]:
             snap, last = first, after
             while True:
                 for chunk in snap["chunks"]:
                     last += 1
-                    yield f"id: {last}\n{chunk}"
+                    yield last, chunk
                 if snap["finished"]:
                     return
                 nxt = await owners.fetch(owner, scope, key, last, 5.0)
@@ -230,9 +230,7 @@ class Gateway:
                     return
                 snap = nxt
 
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **first["headers"]}
-        return StreamingResponse(events(), status_code=first["status"], headers=headers,
-                                 media_type="text/event-stream")
+        return _numbered_events(chunks(), first["status"], first["headers"])
 
     @staticmethod
     async def _pump(run: RecordedResponse, produce: Awaitable[Response], owners: RunOwners | None = None,
@@ -279,13 +277,7 @@ class Gateway:
                 return Response(status_code=499)
             return Response(text, status_code=run.status, headers=run.headers or None, media_type=run.media_type)
 
-        async def events() -> AsyncIterator[str]:
-            async with contextlib.aclosing(run.replay(after)) as chunks:
-                async for i, chunk in chunks:
-                    yield f"id: {i}\n{chunk}"  # the id a reconnecting client sends as Last-Event-ID
-
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **run.headers}
-        return StreamingResponse(events(), status_code=run.status, headers=headers, media_type="text/event-stream")
+        return _numbered_events(run.replay(after), run.status, run.headers)
 
     async def snapshot(self, scope: str, key: str, after: int, wait_s: float) -> dict[str, Any] | None:
         """This front's recorded run past chunk ``after``, for a retry that landed on another front
@@ -305,6 +297,18 @@ class Gateway:
         for pump in list(self._pumps):
             with contextlib.suppress(BaseException):
                 await pump
+
+
+def _numbered_events(chunks: AsyncIterator[tuple[int, str]], status: int, headers: dict[str, str]
+                     ) -> StreamingResponse:
+    """Recorded SSE events, each with the ``id:`` a reconnecting client sends back as Last-Event-ID."""
+    async def events() -> AsyncIterator[str]:
+        async with contextlib.aclosing(chunks) as numbered:  # a client gone: stop listening at once
+            async for i, chunk in numbered:
+                yield f"id: {i}\n{chunk}"
+
+    return StreamingResponse(events(), status_code=status, headers={**SSE_HEADERS, **headers},
+                             media_type="text/event-stream")
 
 
 def parse_body(raw: bytes, model: type[Body]) -> Body:

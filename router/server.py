@@ -114,13 +114,16 @@ class ServerThread:
         self.stop()
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no caching, no proxy buffering
+
+
 class EventStreamResponse(StreamingResponse):
     """SSE response that runs ``on_close`` however the stream ends (done, error, client gone)."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+                         headers={**SSE_HEADERS, **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

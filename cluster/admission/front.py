@@ -79,7 +79,7 @@ class FrontAdmission:
         """End the requests still queued for KV room (call on the front's event loop)."""
         return self.kv.fail_waiting(AdmissionError(503, "the server is shutting down", "draining", retry_after_s=5))
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self) -> None:
         """Flush every usage record to disk and close the store."""
         if self.usage is not None:
             try:

@@ -86,11 +86,7 @@ class AdmissionPolicy:
         raise NotImplementedError
 
 
-def _load_builtins() -> None:
-    pass  # the built-in policies are defined below
-
-
-_REGISTRY: Registry[type[AdmissionPolicy]] = Registry("admission policy", _load_builtins)
+_REGISTRY: Registry[type[AdmissionPolicy]] = Registry("admission policy")  # built-ins: defined below
 register_admission_policy = _REGISTRY.register
 
 
