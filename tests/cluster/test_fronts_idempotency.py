@@ -47,9 +47,17 @@ def test_retries_landing_on_either_front_share_one_generation(ray_session, tiny_
                        for e in events[0][:-1] if json.loads(e[6:])["choices"])
         assert text == replies[0].json()["choices"][0]["message"]["content"]  # greedy: the same tokens
 
-        stats = ray_session.get([f.stats.remote() for f in fronts])
+        # The kernel's choice of front is a hash: retry on fresh connections until both took some.
+        sent = {"k-whole": 12, "k-stream": 12}
+        for _ in range(64):
+            stats = ray_session.get([f.stats.remote() for f in fronts])
+            if all(s["arrivals"]["anonymous"] > 0 for s in stats):
+                break
+            extra = post("k-whole")
+            sent["k-whole"] += 1
+            assert extra.text == replies[0].text
         assert all(s["arrivals"]["anonymous"] > 0 for s in stats), stats  # both fronts took requests
-        assert sum(s["arrivals"]["anonymous"] for s in stats) == 24
+        assert sum(s["arrivals"]["anonymous"] for s in stats) == sum(sent.values())
     finally:
         stop_fronts(fronts)
         cluster.stop()
@@ -61,4 +69,4 @@ def test_retries_landing_on_either_front_share_one_generation(ray_session, tiny_
     for key in ("k-whole", "k-stream"):
         mine = [r for r in records if r.idempotency_key == key]
         generated = [r for r in mine if r.finish_reason != "replayed"]
-        assert len(mine) == 12 and len(generated) == 1 and generated[0].completion_tokens == 40, key
+        assert len(mine) == sent[key] and len(generated) == 1 and generated[0].completion_tokens == 40, key
