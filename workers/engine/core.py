@@ -17,7 +17,7 @@ from workers.blocks.prefix_hash import CacheNamespace
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner, kv_cache_block_bytes, sampling_requests
 from workers.engine.outputs import TokenDelta
-from workers.engine.request import Request, RequestGroup, RequestStatus
+from workers.engine.request import Request, RequestGroup, RequestStatus, SampleResume
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.structured import StructuredOutputs
 from workers.engine.swap import HostBlockPool
@@ -78,16 +78,23 @@ class EngineCore(KVMigrationMixin):
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None, prefill_only: bool = False, tenant: str = "") -> None:
+                    arrival_time: float | None = None, prefill_only: bool = False, tenant: str = "",
+                    resume: SampleResume | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (nothing allocated) when it cannot run.
 
         ``prefill_only`` parks the request with its KV after the first token (disaggregated prefill).
         ``tenant`` is who it shares its priority class with under the ``fair`` policy.
+        ``resume`` continues one sample another worker was running (request migration).
         """
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self.validate(prompt_token_ids, params)
-        matcher = self.structured.matcher(params)  # InvalidRequestError (nothing queued) if it does not compile
+        if resume is not None:
+            resume.check(params, len(prompt_token_ids), self.max_model_len)
+        emitted = list(resume.output_token_ids) if resume is not None else []
+        # InvalidRequestError (nothing queued) if it does not compile; a resumed sample's grammar
+        # state is rebuilt from the tokens it emitted.
+        matcher = self.structured.matcher(params, emitted)
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
@@ -95,12 +102,19 @@ class EngineCore(KVMigrationMixin):
         req = Request(member_id, list(prompt_token_ids), params, max_total,
                       arrival_time=arrival_time or time.monotonic(), priority=priority,
                       cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1,
-                      prefill_only=prefill_only, tenant=tenant)
+                      prefill_only=prefill_only, tenant=tenant,
+                      index=resume.index if resume is not None else 0)
+        if resume is not None:
+            # Like a sample preempted by recompute: its tokens so far are re-prefilled with the
+            # prompt, and its generator is where the first worker's was when it sampled them.
+            for tok in emitted:
+                req.append_token(tok)
+            resume.advance(req.generator)
         req.matcher = matcher
         self.groups[request_id] = RequestGroup(request_id, [member_id], len(prompt_token_ids))
         self._members[member_id] = req
         self.scheduler.add_request(req)
-        self.pending_prefill_tokens += len(req.prompt_token_ids)
+        self.pending_prefill_tokens += req.num_tokens
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Every check that needs the model; raises InvalidRequestError with the OpenAI param name."""
@@ -291,17 +305,18 @@ class EngineCore(KVMigrationMixin):
         return None
 
     def finish_request(self, request_id: str, index: int, reason: str, stop_reason: int | str | None
-                       ) -> None:
-        """Finish one sample from outside (a stop string matched in the output processor)."""
+                       ) -> TokenDelta | None:
+        """Finish one sample from outside (a stop string matched in the output processor); its
+        final delta, or None when it had already ended."""
         group = self.groups.get(request_id)
         if group is None:
-            return
+            return None
         req = self._members.get(request_id) or self._members.get(f"{request_id}#{index}")
         if req is None:
-            return
+            return None
         req.stop_reason = stop_reason
         status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_ABORTED
-        self._finish(req, status, None)
+        return self._finish(req, status, None)
 
     def _finish(self, req: Request, status: RequestStatus, token_ids: list[int] | None) -> TokenDelta:
         """The one reclaim path: frees KV (idempotently) and forgets the request once all samples end."""

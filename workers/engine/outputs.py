@@ -23,6 +23,7 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_ready: bool = False  # prefill-only request parked with its KV, ready to ship
+    recoverable: bool = False  # ended here by a fault another placement may not meet (a failed KV transfer)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from workers.errors import InvalidRequestError
 from workers.sampling.params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     matcher: Any = None  # the grammar's state (structured output), advanced by every emitted token
+    kv_expect: list[tuple[int, int, int]] | None = None  # arriving KV: (block, logical index, crc) to check
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -97,6 +99,35 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+
+@dataclass
+class SampleResume:
+    """Where one sample stood when the worker running it died: its index among the request's
+    samples and the tokens the client has received, which the next worker continues from."""
+
+    index: int
+    output_token_ids: list[int]
+
+    def check(self, params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+        """Raise InvalidRequestError unless this can continue a sample of ``params``."""
+        if params.n != 1:
+            raise InvalidRequestError("a resumed sample is resubmitted on its own (n = 1)", param="n")
+        if self.index < 0:
+            raise InvalidRequestError(f"sample index must be >= 0, got {self.index}", param="index")
+        room = max_model_len - prompt_len if params.max_tokens is None else min(params.max_tokens,
+                                                                                 max_model_len - prompt_len)
+        if len(self.output_token_ids) >= room:
+            raise InvalidRequestError(f"{len(self.output_token_ids)} tokens emitted leave no room for another "
+                                      f"(at most {room})", param="max_tokens")
+
+    def advance(self, generator: torch.Generator | None) -> None:
+        """Draw what the sampler drew for the emitted tokens: one uniform per token
+        (``workers.sampling.sampler``), so a seeded sample continues its own stream."""
+        if generator is None:
+            return
+        for _ in self.output_token_ids:
+            torch.rand(1, dtype=torch.float64, generator=generator)
 
 
 @dataclass
