@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from workers.errors import KVTransferError, OutOfBlocksError
+from workers.kv.integrity import corrupt_block, verify_blocks
 from workers.kv.migration import MigrationMeta
 from workers.registry import Registry
 
@@ -62,12 +63,13 @@ class KVHost(Protocol):
     engine: Any  # AsyncEngine: every engine access goes through its loop thread
     core: Any  # EngineCore, for reads that are safe off the loop thread
     transfer: Any  # KVTransferEngine over this worker's cache
+    faults: Any  # workers.actor.faults.FaultPoints: what the fault suite armed
 
-    def register(self, request_id: str, front_id: str, n: int) -> None: ...
+    def register(self, request_id: str, front_id: str, index: int) -> None: ...
     def owner_front(self, request_id: str) -> str: ...
     def refuses(self, request_id: str) -> bool: ...
     def take_withdrawn(self, member_id: str) -> bool: ...
-    def forget_sample(self, request_id: str) -> None: ...
+    def forget_sample(self, request_id: str, index: int) -> None: ...
     def admit(self, member_id: str) -> None: ...
     def admit_here(self, engine: Any, member_id: str) -> None: ...
 
@@ -90,7 +92,7 @@ class KVConnector:
         raise NotImplementedError
 
     def abandon(self, peer_id: str, peer: Any, shipment: KVShipment) -> None:
-        peer.kv_cancel.remote(shipment.member_id)  # our blocks are not read once send has failed
+        peer.kv_cancel.remote(shipment.member_id, shipment.meta.index)  # our blocks are not read once send has failed
 
     # ------------------------------------------------------------------ decode side
     def accept(self, peer_id: str, info: Any) -> bool:
@@ -100,11 +102,11 @@ class KVConnector:
         m = MigrationMeta(**meta)
         if self.host.refuses(m.request_id):
             raise KVTransferError(f"request {m.request_id} was aborted")
-        self.host.register(m.request_id, front_id, int(m.params.get("n", 1)))
+        self.host.register(m.request_id, front_id, m.index)
 
         def reserve(engine: Any) -> tuple[list[int], list[int]]:
             if self.host.take_withdrawn(m.member_id):  # its sender gave up before this ran
-                self.host.forget_sample(m.request_id)
+                self.host.forget_sample(m.request_id, m.index)
                 raise KVTransferError(f"{m.member_id} was withdrawn by its sender")
             needed = engine.reserve_remote(m)
             table = engine.incoming_block_table(m.member_id)
@@ -117,6 +119,19 @@ class KVConnector:
 
     def receive(self, peer_id: str, member_id: str, blocks: list[int] | None, payload: Any) -> int | None:
         raise NotImplementedError
+
+    def check_received(self, member_id: str) -> None:
+        """The sample's KV is in its reserved blocks: raise KVTransferError unless it matches the
+        sender's checksums (``workers.kv.integrity``). Call before admitting it."""
+        host = self.host
+        req = host.core.incoming.get(member_id)
+        expect = req.kv_expect if req is not None else None
+        if not expect:
+            return
+        caches, bs = host.core.runner.kv_caches, host.core.config.block_size
+        if host.faults.fire("corrupt_received_kv"):
+            corrupt_block(caches, expect[0][0])
+        verify_blocks(caches, expect, req.num_computed_tokens, bs, member_id)
 
     # ------------------------------------------------------------------ both
     def peers_changed(self, peers: dict[str, Any]) -> None:

@@ -42,6 +42,7 @@ class MigrationMeta:
     num_cached_tokens: int
     generator_state: bytes | None
     tenant: str = ""  # whom the decode worker's fair scheduler counts it for
+    kv_checksums: list[int] | None = None  # CRC-32 per logical block (workers.kv.integrity), set by the sender
 
     def sampling_params(self) -> SamplingParams:
         raw = dict(self.params)
@@ -112,7 +113,13 @@ class KVMigrationMixin:
         req.num_computed_tokens = computed
         self.incoming[req.request_id] = req
         bs = bm.block_size
-        return list(range(cached // bs, (computed + bs - 1) // bs))
+        needed = list(range(cached // bs, (computed + bs - 1) // bs))
+        if meta.kv_checksums is not None:
+            # Checked once the data is in, before admission: only the blocks that travel (our own
+            # cached prefix was computed here, perhaps by other kernels, bit for bit otherwise).
+            table = bm.block_table(req.request_id)
+            req.kv_expect = [(table[i], i, meta.kv_checksums[i]) for i in needed if i < len(meta.kv_checksums)]
+        return needed
 
     def incoming_block_table(self: EngineCore, member_id: str) -> list[int]:
         return list(self.block_manager.block_table(member_id))

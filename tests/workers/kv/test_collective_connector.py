@@ -20,11 +20,12 @@ class _Group:
 class _Peer:
     def __init__(self) -> None:
         self.cancelled: list[str] = []
-        self.kv_cancel = SimpleNamespace(remote=self.cancelled.append)
+        self.kv_cancel = SimpleNamespace(remote=lambda member, index: self.cancelled.append(member))
 
 
 def _shipment(member: str) -> SimpleNamespace:
-    return SimpleNamespace(member_id=member)
+    return SimpleNamespace(member_id=member, meta=SimpleNamespace(index=int(member.rsplit("#", 1)[-1] or 0)
+                                                                 if "#" in member else 0))
 
 
 def test_a_shipment_that_failed_before_the_wire_leaves_the_group_for_the_next_one():

@@ -313,7 +313,8 @@ def test_silent_then_dead_peer_fail_within_the_timeout() -> None:
         err = outcome_of(decode, "recv", DST_IDS, 0)
         elapsed = time.perf_counter() - start
         assert isinstance(err, RemoteError) and err.is_kv, err
-        assert timeout_s - 0.5 <= elapsed < timeout_s + 3.0, elapsed
+        # bounded, not hung: a loaded 2-core machine (Ray processes of earlier tests still exiting) was seen at +5 s
+        assert timeout_s - 0.5 <= elapsed < timeout_s + 8.0, elapsed
         # the failed group is broken: close both ends and meet again on a fresh one
         decode.call("close")
         prefill.call("close")

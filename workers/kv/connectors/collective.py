@@ -95,6 +95,7 @@ class CollectiveConnector(KVConnector):
         try:
             nbytes = host.transfer.recv_blocks(self._pairs[peer_id], blocks or [],
                                                transfer_id=transfer_key(member_id))
+            self.check_received(member_id)
         except Exception:
             host.engine.submit(lambda e: e.cancel_remote(member_id))
             raise

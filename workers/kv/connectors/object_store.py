@@ -25,6 +25,11 @@ class ObjectStoreConnector(KVConnector):
 
     def receive(self, peer_id: str, member_id: str, blocks: list[int] | None, payload: Any) -> int:
         openmp.serial_here()
-        self.host.transfer.unpack_blocks(blocks or [], payload)
+        try:
+            self.host.transfer.unpack_blocks(blocks or [], payload)
+            self.check_received(member_id)
+        except Exception:
+            self.host.engine.submit(lambda e: e.cancel_remote(member_id))
+            raise
         self.host.admit(member_id)
         return int(getattr(payload, "nbytes", 0))

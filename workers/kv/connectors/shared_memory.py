@@ -62,7 +62,7 @@ class SharedMemoryConnector(KVConnector):
     def abandon(self, peer_id: str, peer: Any, shipment: KVShipment) -> None:
         # It may be reading our blocks: they are freed only once it has let go.
         try:
-            ray_get(peer.kv_cancel.remote(shipment.member_id), self.host.kv_timeout_s)
+            ray_get(peer.kv_cancel.remote(shipment.member_id, shipment.meta.index), self.host.kv_timeout_s)
         except Exception as exc:
             log.warning("withdrawing %s from %s failed: %r", shipment.member_id, peer_id, exc)
 
@@ -90,10 +90,11 @@ class SharedMemoryConnector(KVConnector):
             raise KVTransferError(f"request {m.request_id} was aborted")
         source = self._peer_cache(peer_id, KVExport.from_dict(payload["export"]))
         source_table = payload["source_table"]
-        host.register(m.request_id, payload["front_id"], int(m.params.get("n", 1)))
+        host.register(m.request_id, payload["front_id"], m.index)
 
         def copy_in(engine: Any) -> int | None:
             if host.take_withdrawn(m.member_id):  # its sender gave up meanwhile
+                host.forget_sample(m.request_id, m.index)  # registered above: it will not decode here
                 raise KVTransferError(f"{m.member_id} was withdrawn by its sender")
             try:
                 needed = engine.reserve_remote(m)
@@ -103,6 +104,7 @@ class SharedMemoryConnector(KVConnector):
             try:
                 nbytes = host.transfer.copy_blocks_from(source, [source_table[i] for i in needed],
                                                         [table[i] for i in needed])
+                self.check_received(m.member_id)
             except BaseException:
                 engine.cancel_remote(m.member_id)
                 raise
