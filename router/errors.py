@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.protocol import ErrorInfo, ErrorResponse
-from workers.errors import InvalidRequestError, OutOfBlocksError, OverloadedError
+from workers.errors import InvalidRequestError, OutOfBlocksError, OverloadedError, WorkerLostError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, OverloadedError):
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return APIError(429, str(exc), headers={"Retry-After": retry})
+    if isinstance(exc, WorkerLostError):
+        return APIError(503, str(exc), type="server_error")
     if isinstance(exc, RequestValidationError):
         return validation_error(exc)
     logger.error("request failed", exc_info=exc)

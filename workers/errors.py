@@ -48,3 +48,8 @@ class OverloadedError(BatonError, RuntimeError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class WorkerLostError(BatonError, RuntimeError):
+    """A worker holding the request died and the request could not continue elsewhere (its
+    migrations ran out, or no healthy worker was left): the HTTP front answers 503."""

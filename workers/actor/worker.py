@@ -28,12 +28,14 @@ import torch
 
 from kernels import capabilities, openmp
 from workers.actor.core_share import CoreShare
+from workers.actor.faults import FaultPoints
 from workers.actor.messages import encode_deltas, params_from_dict
 from workers.actor.output_stream import FrontConnection, OutputServer
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.engine.model_runner import kv_cache_block_bytes
 from workers.engine.outputs import TokenDelta
+from workers.engine.request import SampleResume
 from workers.errors import BatonError
 from workers.kv.connector import (
     KVConnector,
@@ -44,6 +46,7 @@ from workers.kv.connector import (
     make_connector,
 )
 from workers.kv.event_log import KVEventBatch
+from workers.kv.integrity import block_crcs
 from workers.kv.migration import MigrationMeta
 from workers.kv.shared import can_share
 from workers.kv.transfer import KVTransferEngine, KVTransferError
@@ -60,7 +63,7 @@ class Worker:
     def __init__(self, worker_id: str, role: str, engine: dict[str, Any], threads: int | None = 1,
                  kv_transport: str = "auto", kv_timeout_s: float = 30.0,
                  host: str | None = None, core_share: dict[str, Any] | None = None,
-                 front_secret: str = "") -> None:
+                 front_secret: str = "", verify_kv: bool = True, incarnation: int = 0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         order = connector_order(kv_transport)  # ValueError naming the known ones
@@ -72,6 +75,9 @@ class Worker:
         # Every listener (output stream, pair-group rendezvous) binds the address peers and fronts
         # on other nodes reach this one by: Ray's node address (loopback on a one-node deployment).
         self.kv_transport, self.kv_timeout_s, self.host = kv_transport, kv_timeout_s, host or node_address()
+        self.verify_kv = verify_kv  # ship a checksum per KV block; the receiver checks it
+        self.incarnation = incarnation  # which start of this worker id (the controller's restarts)
+        self.faults = FaultPoints()
         engine = dict(engine)
         # A prefill worker's cache goes in shared memory when a connector it may use maps it.
         engine.setdefault("kv_cache_shared", role == "prefill" and can_share()
@@ -89,7 +95,8 @@ class Worker:
         self._outboxes: dict[str, list[TokenDelta]] = {}
         self._fronts: dict[str, FrontConnection] = {}
         self._gone_fronts: set[str] = set()  # whose stream closed: their late requests are aborted
-        self._owner: dict[str, list[Any]] = {}  # request id -> [front id, samples not finished]
+        # request id -> [front id, indices of its samples still to end or leave here]
+        self._owner: dict[str, list[Any]] = {}
         self._out_cv = threading.Condition()
         # Built on the loop thread: every parallel region of the model runs on that one thread.
         # Workers whose threads outnumber this machine's cores take turns at them (workers.actor.core_share).
@@ -121,7 +128,8 @@ class Worker:
     # ------------------------------------------------------------------ front-facing
     def info(self) -> dict[str, Any]:
         c = self.core
-        return {"worker_id": self.worker_id, "role": self.role, "model": self.model_path.name,
+        return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
+                "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
                 "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "node_id": node_id(),
@@ -136,23 +144,33 @@ class Worker:
 
     def set_peers(self, peers: dict[str, Any]) -> None:
         """Actor handles of the other workers, by worker id (for KV shipping)."""
-        self.peers = {k: v for k, v in peers.items() if k != self.worker_id}
+        new = {k: v for k, v in peers.items() if k != self.worker_id}
+        # A peer under a known id with a new actor was restarted: what the connectors keep for
+        # it (a pair group, a mapped cache) belongs to the dead process, so they forget it first.
+        replaced = {k for k, v in new.items() if k in self.peers and _actor_id(self.peers[k]) != _actor_id(v)}
         for connector in self._connectors.values():
-            connector.peers_changed(self.peers)
+            if replaced:
+                connector.peers_changed({k: v for k, v in new.items() if k not in replaced})
+            connector.peers_changed(new)
+        self.peers = new
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
                     priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
-                    decode_worker: str | None = None, front_id: str = "default", tenant: str = "") -> None:
+                    decode_worker: str | None = None, front_id: str = "default", tenant: str = "",
+                    resume: dict[str, Any] | None = None) -> None:
         """Queue a request (validated by the front). A prefill worker needs ``decode_worker``;
-        ``tenant`` is whom the scheduler's ``fair`` policy shares the worker between."""
+        ``tenant`` is whom the scheduler's ``fair`` policy shares the worker between; ``resume``
+        (``SampleResume`` fields) continues a sample a dead worker was running."""
         sampling = params_from_dict(params)
-        self._register(request_id, front_id, sampling.n)
+        sample = SampleResume(int(resume["index"]), [int(t) for t in resume["output_token_ids"]]) if resume else None
+        indices = [sample.index] if sample is not None else list(range(sampling.n))
+        self._register(request_id, front_id, indices)
         if self._cancelled.pop(request_id, None) is not None:
             # Its abort overtook it (threaded actors reorder calls), or the id was used moments ago:
             # either way it must not run, and whoever listens must hear so rather than wait.
             self._emit([TokenDelta(request_id, i, [], finish_reason="abort",
                                    stop_reason=f"request id {request_id!r} was aborted moments ago")
-                        for i in range(sampling.n)])
+                        for i in indices])
             return
         prefill_only = self.role == "prefill"
         if prefill_only:
@@ -165,11 +183,11 @@ class Worker:
             try:
                 engine.add_request(request_id, prompt_token_ids, sampling, priority=priority,
                                    cache_salt=cache_salt, arrival_time=arrival, prefill_only=prefill_only,
-                                   tenant=tenant)
+                                   tenant=tenant, resume=sample)
             except BatonError as exc:
                 log.warning("request %s rejected by the engine: %s", request_id, exc)
                 self._emit([TokenDelta(request_id, i, [], finish_reason="abort", stop_reason=str(exc))
-                            for i in range(sampling.n)])
+                        for i in indices])
 
         self.engine.submit(add)
 
@@ -206,7 +224,14 @@ class Worker:
         self.engine.submit(apply)
 
     def finish_sample(self, request_id: str, index: int, stop: str) -> None:
-        self.engine.submit(lambda e: e.finish_request(request_id, index, "stop", stop))
+        """The front matched a stop string: end the sample. Its final delta still goes out (the
+        front has ended it already), so the sample is accounted for here like any other end."""
+        def finish(engine: Any) -> None:
+            delta = engine.finish_request(request_id, index, "stop", stop)
+            if delta is not None:
+                self._emit([delta])
+
+        self.engine.submit(finish)
 
     def poll(self, front_id: str = "default", timeout_s: float = 0.5) -> bytes:
         """Wait up to ``timeout_s`` for this front's outputs; return them as one msgpack batch."""
@@ -232,6 +257,10 @@ class Worker:
             out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
         return out
 
+    def arm_fault(self, name: str, count: int = 1) -> None:
+        """Make fault point ``name`` (``workers.actor.faults.FAULT_POINTS``) fire ``count`` times."""
+        self.faults.arm(name, count)
+
     def health(self) -> bool:
         return self.engine.is_alive
 
@@ -243,9 +272,9 @@ class Worker:
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ outputs
-    def _register(self, request_id: str, front_id: str, n: int) -> None:
+    def _register(self, request_id: str, front_id: str, indices: Any) -> None:
         with self._out_cv:
-            self._owner.setdefault(request_id, [front_id, n])
+            self._owner.setdefault(request_id, [front_id, set()])[1].update(indices)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         with self._out_cv:
@@ -256,7 +285,7 @@ class Worker:
                     continue  # aborted by its front: nobody listens
                 by_front.setdefault(owner[0], []).append(d)
                 if d.finish_reason is not None:
-                    self._sample_left(d.request_id)
+                    self._sample_left(d.request_id, d.index)
             polled = False
             for front_id, batch in by_front.items():
                 conn = self._fronts.get(front_id)
@@ -289,13 +318,15 @@ class Worker:
             self._fronts[front_id] = conn  # first: once answered, the front may ask stats()
             conn.send(encode_deltas(self._outboxes.pop(front_id, [])))  # also the hello's answer
 
-    def _sample_left(self, request_id: str) -> None:
-        """One sample finished here or moved to a decode worker; forget the request after the last.
-        Caller holds ``_out_cv``."""
+    def _sample_left(self, request_id: str, index: int) -> None:
+        """Sample ``index`` finished here or moved to a decode worker; forget the request after its
+        last. Counted by index, so a sample offered twice (a retried reservation) counts once and one
+        that never arrives (it finished on the prefill worker) is never waited for. Caller holds
+        ``_out_cv``."""
         owner = self._owner.get(request_id)
         if owner is not None:
-            owner[1] -= 1
-            if owner[1] <= 0:
+            owner[1].discard(index)
+            if not owner[1]:
                 del self._owner[request_id]
                 self._decode_target.pop(request_id, None)
                 self._flow.pop(request_id, None)
@@ -320,9 +351,13 @@ class Worker:
         connector that reaches it; any failure frees both sides and ends the sample as aborted."""
         target = self._decode_target.get(request_id)
         peer = self.peers.get(target) if target else None
-        shipment = KVShipment(request_id, member_id, meta, table)
         started = time.perf_counter()
         connector = None
+        if self.verify_kv:  # the parked blocks do not change until released: safe off the loop thread
+            meta.kv_checksums = block_crcs(self.core.runner.kv_caches, table,
+                                           len(meta.prompt_token_ids) + len(meta.output_token_ids) - 1,
+                                           self.core.config.block_size)
+        shipment = KVShipment(request_id, member_id, meta, table)
         try:
             if peer is None:
                 raise KVTransferError(f"decode worker {target!r} is not known")
@@ -332,17 +367,17 @@ class Worker:
             self.transfer_log.append(seconds)
             with self._out_cv:  # shipping threads run side by side
                 self.shipments, self.ship_seconds = self.shipments + 1, self.ship_seconds + seconds
-                self._sample_left(request_id)
+                self._sample_left(request_id, meta.index)
         except Exception as exc:
             log.warning("KV shipping of %s to %s failed: %r", member_id, target, exc)
             if peer is not None:
                 if connector is not None:
                     connector.abandon(target, peer, shipment)
                 else:
-                    peer.kv_cancel.remote(member_id)
-            index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
-            self._emit([TokenDelta(request_id, index, [], finish_reason="abort",
-                                   stop_reason=f"kv transfer failed: {exc}")])
+                    peer.kv_cancel.remote(member_id, meta.index)
+            # Recoverable: the front places the sample again rather than end it.
+            self._emit([TokenDelta(request_id, meta.index, [], finish_reason="abort",
+                                   stop_reason=f"kv transfer failed: {exc}", recoverable=True)])
         finally:
             self.engine.submit(lambda e: e.release_parked(member_id))
 
@@ -369,9 +404,10 @@ class Worker:
         """Take a sample's KV through ``connector`` and start decoding it; the bytes received."""
         return self._connectors[connector].receive(peer_id, member_id, blocks, payload)
 
-    def kv_cancel(self, member_id: str) -> None:
-        """The sender gave up on ``member_id``: free its reservation; returns once no copy of it
-        is running here, and none will start (the sender may then reuse its blocks)."""
+    def kv_cancel(self, member_id: str, index: int | None = None) -> None:
+        """The sender gave up on ``member_id`` (sample ``index``; default: read from the member id):
+        free its reservation; returns once no copy of it is running here, and none will start (the
+        sender may then reuse its blocks)."""
         def withdraw(engine: Any) -> None:
             now = time.monotonic()
             if len(self._withdrawn) > 1024:  # only a copy still queued can match an old entry
@@ -381,19 +417,24 @@ class Worker:
                 self._withdrawn.pop(member_id, None)  # the reservation was still here: nothing queued
 
         self.engine.call(withdraw, timeout=self.kv_timeout_s)
-        self.forget_sample(member_id.split("#", 1)[0])  # it will not decode here
+        if index is None:
+            index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
+        self.forget_sample(member_id.split("#", 1)[0], index)  # it will not decode here
 
     # ------------------------------------------------------------------ KVHost, for connectors
-    def register(self, request_id: str, front_id: str, n: int) -> None:
-        self._register(request_id, front_id, n)
+    def register(self, request_id: str, front_id: str, index: int) -> None:
+        with self._out_cv:
+            if request_id in self._cancelled:  # aborted since the connector checked: it will be refused
+                return
+        self._register(request_id, front_id, (index,))
 
     def owner_front(self, request_id: str) -> str:
         owner = self._owner.get(request_id)
         return owner[0] if owner else "default"
 
-    def forget_sample(self, request_id: str) -> None:
+    def forget_sample(self, request_id: str, index: int) -> None:
         with self._out_cv:
-            self._sample_left(request_id)
+            self._sample_left(request_id, index)
 
     def refuses(self, request_id: str) -> bool:
         return request_id in self._cancelled
@@ -414,3 +455,9 @@ class Worker:
         engine.admit_remote(member_id)
         if self._flow.get(request_id, (0, False))[1]:  # its reader fell behind meanwhile
             engine.pause_request(request_id)
+
+
+def _actor_id(handle: Any) -> Any:
+    """The Ray actor a handle names (handles to one actor compare unequal otherwise)."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id if actor_id is not None else id(handle)
