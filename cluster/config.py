@@ -81,6 +81,8 @@ class KVTransferSection(BaseModel):
     # machine (CPU caches), collective otherwise.
     transport: str = "auto"
     timeout_s: float = Field(30.0, gt=0)
+    verify_checksums: bool = Field(True, description="a CRC-32 per KV block travels with it; a decode "
+                                   "worker re-places a request whose KV does not match instead of decoding it")
 
     @field_validator("transport")
     @classmethod
@@ -178,6 +180,29 @@ class RouterSection(BaseModel):
         return make_policy(self.policy)
 
 
+class RecoverySection(BaseModel):
+    """What happens to requests when a worker dies (``cluster.pool_client``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_migrations: int = Field(3, ge=0, description="times a request may move to another worker after the "
+                                "one holding it died (0: it fails with the worker)")
+    migration_wait_s: float = Field(30.0, ge=0, description="how long a request whose worker died waits for "
+                                    "a live one (a restart) before it fails with 503")
+    restart_workers: bool = Field(True, description="the controller starts a dead worker again")
+    max_restarts: int = Field(5, ge=0, description="restarts of one worker within restart_window_s; one "
+                              "more death quarantines it")
+    restart_window_s: float = Field(600.0, gt=0)
+    restart_backoff_s: float = Field(1.0, ge=0, description="delay before the first restart; doubled "
+                                     "for each further death within the window")
+    restart_max_backoff_s: float = Field(30.0, ge=0)
+
+    def restart_policy(self) -> Any:
+        from cluster.restarts import RestartPolicy
+
+        return RestartPolicy(self.restart_workers, self.max_restarts, self.restart_window_s,
+                             self.restart_backoff_s, self.restart_max_backoff_s)
+
+
 class RaySection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str | None = None  # None: start a local Ray instance; "auto": join a cluster
@@ -188,7 +213,7 @@ class RaySection(BaseModel):
 
 class ClusterConfig(BaseModel):
     """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[router]``,
-    ``[admission]``, ``[usage]``, ``[ray]``."""
+    ``[admission]``, ``[usage]``, ``[recovery]``, ``[ray]``."""
 
     model_config = ConfigDict(extra="forbid")
     engine: EngineSection = EngineSection()
@@ -198,6 +223,7 @@ class ClusterConfig(BaseModel):
     router: RouterSection = RouterSection()
     admission: AdmissionSection = AdmissionSection()
     usage: UsageSection = UsageSection()
+    recovery: RecoverySection = RecoverySection()
     ray: RaySection = RaySection()
 
     @property

@@ -1,10 +1,15 @@
-"""The GlobalController actor: pool membership, health checks, and the overload signal.
+"""The GlobalController actor: pool membership, health checks, worker restarts, and the overload signal.
 
 It polls every worker's ``stats`` on its own thread; a worker that misses ``failure_threshold``
-checks in a row (or whose actor is gone) is marked dead. Fronts read one ``snapshot`` per
-interval instead of asking every worker themselves, and refuse new work (429) while the
-cluster's waiting queues exceed ``max_waiting``. Admission with KV reservation and failure
-recovery (re-running a dead worker's requests) build on this.
+checks in a row (or whose actor is gone, or that a front saw die) is marked dead, and, where
+the controller was given its ``WorkerSpec``, started again after a backoff
+(``cluster.restarts``) under the same id and name, with every worker told its new handle.
+Each restart gives the member a new, larger ``incarnation`` (a millisecond stamp, so it grows
+across controller restarts too): fronts adopt the new actor when they see it. The controller is
+itself restartable (Ray restarts it); started with its ``members``, it rebuilds its view from the
+workers themselves (by name where the deployment names them), while fronts route on their last view.
+Fronts read one ``snapshot`` per interval instead of asking every worker themselves, and refuse
+new work (429) while the cluster's waiting queues exceed ``max_waiting``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from cluster.restarts import RestartHistory, RestartPolicy, WorkerSpec
 
 log = logging.getLogger("baton.controller")
 
@@ -28,26 +35,47 @@ class Member:
     misses: int = 0
     last_seen: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    incarnation: int = 0  # restarts so far: 0 is the worker the deployment started
+    restarts: int = 0
+    restarting: bool = False
+    restart_at: float | None = None  # when the next restart is due (monotonic), if one is
+    quarantined: bool = False
 
 
 class GlobalController:
     """Membership and health of the pools (plain class; ``cluster.launcher`` makes it an actor)."""
 
     def __init__(self, max_waiting: int, interval_s: float = 1.0, timeout_s: float = 5.0,
-                 failure_threshold: int = 2) -> None:
+                 failure_threshold: int = 2, restart: RestartPolicy | None = None,
+                 start_timeout_s: float = 300.0, members: list[tuple[WorkerSpec, Any]] | None = None) -> None:
         self.max_waiting = max_waiting
         self.interval_s, self.timeout_s, self.failure_threshold = interval_s, timeout_s, failure_threshold
+        self.restart_policy = restart or RestartPolicy()
+        self.start_timeout_s = start_timeout_s  # a restarted worker loads its model within this
         self._handles: dict[str, Any] = {}
+        self._specs: dict[str, WorkerSpec] = {}
+        self._infos: dict[str, dict[str, Any]] = {}
+        self._history: dict[str, RestartHistory] = {}
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        for spec, handle in members or ():
+            self.register(spec.worker_id, spec.role, handle, spec)
+        self._rebuild_pending = bool(members)
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
         self._thread.start()
 
-    def register(self, worker_id: str, role: str, handle: Any) -> None:
+    def register(self, worker_id: str, role: str, handle: Any, spec: WorkerSpec | None = None,
+                 info: dict[str, Any] | None = None) -> None:
+        """Watch a worker; with ``spec`` it is restarted when it dies."""
         with self._lock:
             self._handles[worker_id] = handle
             self._members[worker_id] = Member(worker_id, role, last_seen=time.monotonic())
+            self._history[worker_id] = RestartHistory(self.restart_policy)
+            if spec is not None:
+                self._specs[worker_id] = spec
+            if info is not None:
+                self._infos[worker_id] = info
 
     def snapshot(self) -> dict[str, Any]:
         """Members with their last stats, plus whether the cluster should refuse new work now."""
@@ -56,33 +84,161 @@ class GlobalController:
         waiting = sum(int(m["stats"].get("num_waiting", 0)) for m in members.values() if m["alive"])
         return {"members": members, "num_waiting": waiting, "overloaded": waiting >= self.max_waiting}
 
-    def mark_dead(self, worker_id: str) -> None:
-        """A front saw the worker fail: stop routing to it without waiting for the next check."""
+    def worker(self, worker_id: str) -> tuple[int, Any, dict[str, Any]]:
+        """The worker's current incarnation, actor handle and ``info`` (fronts adopt restarts)."""
         with self._lock:
-            if worker_id in self._members:
-                self._members[worker_id].alive = False
+            return self._members[worker_id].incarnation, self._handles[worker_id], self._infos.get(worker_id, {})
+
+    def handles(self) -> dict[str, Any]:
+        """Every worker's current actor handle (restarts replace them): for shutting down."""
+        with self._lock:
+            return dict(self._handles)
+
+    def mark_dead(self, worker_id: str, incarnation: int | None = None) -> None:
+        """A front saw the worker fail: stop routing to it without waiting for the next check.
+        A report about an earlier ``incarnation`` than the current one is stale and ignored."""
+        with self._lock:
+            m = self._members.get(worker_id)
+            if m is not None and m.alive and (incarnation is None or incarnation >= m.incarnation):
+                self._died(m, "a front saw it fail")
 
     def shutdown(self) -> None:
         self._stop.set()
 
-    def _run(self) -> None:
+    # ------------------------------------------------------------------ internals
+    def _died(self, m: Member, why: str) -> None:
+        """The member is dead (lock held): schedule its restart, or quarantine it."""
+        m.alive = False
+        now = time.monotonic()
+        delay = self._history[m.worker_id].died(now) if m.worker_id in self._specs else None
+        if delay is not None:
+            m.restart_at = now + delay
+            log.error("worker %s died (%s): restarting it in %.1fs", m.worker_id, why, delay)
+        elif self._history[m.worker_id].quarantined:
+            m.quarantined, m.restart_at = True, None
+            p = self.restart_policy
+            log.error("worker %s died (%s) %d times within %.0fs: quarantined, it will not be restarted",
+                      m.worker_id, why, len(self._history[m.worker_id].deaths), p.window_s)
+        else:
+            log.error("worker %s died (%s); it is not restarted", m.worker_id, why)
+
+    def _rebuild(self) -> None:
+        """Learn each member's current actor, incarnation and info from the workers (at start,
+        which after a crash is a restart): one that does not answer is dead, and restarted."""
         import ray
 
-        while not self._stop.wait(self.interval_s):
+        for wid in list(self._members):
+            spec = self._specs.get(wid)
             with self._lock:
-                handles = dict(self._handles)
-            refs = {wid: h.stats.remote() for wid, h in handles.items()}
-            for wid, ref in refs.items():
-                try:
-                    stats, ok = ray.get(ref, timeout=self.timeout_s), True
-                except Exception:  # timeout or dead actor
-                    stats, ok = None, False
+                handle = self._handles[wid]
+            if spec is not None and "name" in spec.options:
+                try:  # a worker restarted by the controller that died is found by its name
+                    handle = ray.get_actor(spec.options["name"], namespace=spec.options.get("namespace"))
+                except ValueError:
+                    pass
+            try:
+                info = ray.get(handle.info.remote(), timeout=self.timeout_s)
+            except Exception as exc:
                 with self._lock:
-                    m = self._members[wid]
-                    if ok and stats.get("alive", True):
-                        m.misses, m.last_seen, m.stats = 0, time.monotonic(), stats
-                    else:
-                        m.misses += 1
-                        if m.alive and m.misses >= self.failure_threshold:
-                            log.error("worker %s failed %d health checks: marked dead", wid, m.misses)
-                            m.alive = False
+                    self._died(self._members[wid], f"no answer when the controller started: {exc!r}")
+                continue
+            with self._lock:
+                m = self._members[wid]
+                self._handles[wid], self._infos[wid] = handle, info
+                m.incarnation = int(info.get("incarnation", 0))
+                m.alive, m.last_seen = True, time.monotonic()
+        log.info("controller: %d worker(s), %d alive", len(self._members),
+                 sum(m.alive for m in self._members.values()))
+
+    def _run(self) -> None:
+        if self._rebuild_pending:
+            self._rebuild()
+        while not self._stop.wait(self.interval_s):
+            self._check()
+            self._restart_due()
+
+    def _check(self) -> None:
+        import ray
+
+        with self._lock:
+            handles = {wid: h for wid, h in self._handles.items()
+                       if self._members[wid].alive and not self._members[wid].restarting}
+        refs = {wid: h.stats.remote() for wid, h in handles.items()}
+        for wid, ref in refs.items():
+            try:
+                stats, ok = ray.get(ref, timeout=self.timeout_s), True
+            except Exception:  # timeout or dead actor
+                stats, ok = None, False
+            with self._lock:
+                m = self._members[wid]
+                if self._handles[wid] is not handles[wid]:
+                    continue  # restarted meanwhile: this answer is about the old actor
+                if ok and stats.get("alive", True):
+                    m.misses, m.last_seen, m.stats = 0, time.monotonic(), stats
+                else:
+                    m.misses += 1
+                    if m.alive and m.misses >= self.failure_threshold:
+                        self._died(m, f"{m.misses} failed health checks")
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [m for m in self._members.values()
+                   if m.restart_at is not None and m.restart_at <= now and not m.restarting]
+            for m in due:
+                m.restarting, m.restart_at = True, None
+        for m in due:  # each on its own thread: a model load must not stall health checks
+            threading.Thread(target=self._restart, args=(m.worker_id,), name=f"restart-{m.worker_id}",
+                             daemon=True).start()
+
+    def _restart(self, worker_id: str) -> None:
+        import ray
+
+        spec = self._specs[worker_id]
+        with self._lock:
+            old = self._handles[worker_id]
+        try:
+            try:
+                ray.kill(old, no_restart=True)  # a hung (not dead) actor would hold the name and its KV
+            except Exception:
+                pass
+            with self._lock:
+                incarnation = max(self._members[worker_id].incarnation + 1, time.time_ns() // 1_000_000)
+            handle = self._start(spec, incarnation)
+            info = ray.get(handle.info.remote(), timeout=self.start_timeout_s)
+            with self._lock:
+                peers = {wid: h for wid, h in self._handles.items() if wid != worker_id}
+            peers[worker_id] = handle
+            ray.get([h.set_peers.remote(peers) for h in peers.values()], timeout=self.timeout_s * 4)
+        except Exception as exc:
+            with self._lock:
+                m = self._members[worker_id]
+                m.restarting = False
+                self._died(m, f"restart failed: {exc!r}")
+            return
+        with self._lock:
+            m = self._members[worker_id]
+            self._handles[worker_id], self._infos[worker_id] = handle, info
+            m.alive, m.misses, m.restarting, m.stats = True, 0, False, {}
+            m.incarnation = incarnation
+            m.restarts += 1
+            m.last_seen = time.monotonic()
+        log.warning("worker %s restarted (incarnation %d, pid %s)", worker_id, m.incarnation, info.get("pid"))
+
+    def _start(self, spec: WorkerSpec, incarnation: int) -> Any:
+        """A new actor from ``spec``, under the dead one's name once Ray has released it."""
+        import ray
+
+        options = dict(spec.options)
+        if "name" in options:
+            # Outlives this controller: serving must go on while a restarted controller takes over.
+            options["lifetime"] = "detached"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return ray.remote(spec.cls).options(**options).remote(*spec.args, **spec.kwargs,
+                                                                      incarnation=incarnation)
+            except ValueError:  # the name is still held by the dead actor
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)

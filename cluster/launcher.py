@@ -13,6 +13,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.pool_client import WorkerRef
+from cluster.restarts import WorkerSpec
 from kernels import capabilities
 from workers.actor.core_share import create_board, remove_board
 from workers.engine.validation import RequestLimits
@@ -201,16 +202,22 @@ class Cluster:
         actor_cls = ray.remote(worker_cls)
         cores = _usable_cpus()
         counters: dict[str, int] = {}
+        specs: dict[str, WorkerSpec] = {}
         for slot, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             wid = f"{role}-{counters[role] - 1}"
             share = ({"path": str(self._board), "slot": slot, "cores": cores}
                      if self._board is not None else None)
-            handle = actor_cls.options(
-                **actor_options(self.config, role), max_concurrency=32,
-                runtime_env={"env_vars": env}, **self.actor_name(wid),
-            ).remote(wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
-                     self.config.kv_transfer.timeout_s, core_share=share, front_secret=self.front_secret)
+            # Kept for the controller, which starts the worker again the same way when it dies.
+            spec = specs[wid] = WorkerSpec(
+                wid, role, worker_cls,
+                {**actor_options(self.config, role), "max_concurrency": 32, "runtime_env": {"env_vars": env},
+                 **self.actor_name(wid)},
+                (wid, role, engine_kwargs, threads, self.config.kv_transfer.transport,
+                 self.config.kv_transfer.timeout_s),
+                {"core_share": share, "front_secret": self.front_secret,
+                 "verify_kv": self.config.kv_transfer.verify_checksums})
+            handle = actor_cls.options(**spec.options).remote(*spec.args, **spec.kwargs)
             pending.append((wid, role, handle))
         infos = ray.get([h.info.remote() for _, _, h in pending])
         self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]
@@ -224,9 +231,15 @@ class Cluster:
         # With the fronts, on the node that started the deployment (the head, as a rule): placed on
         # a worker's node, losing that node would also lose the view of every other worker.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # Ray restarts the controller when it dies; started with the members, it rebuilds its view
+        # from the workers. Named, it outlives its creator's handle as a detached actor.
+        named = self.actor_name("controller")
         self.controller = ray.remote(GlobalController).options(
-            **self.actor_name("controller"), num_cpus=0, max_concurrency=8, scheduling_strategy=here).remote(self.config.server.max_queued_requests)
-        ray.get([self.controller.register.remote(w.worker_id, w.role, w.handle) for w in self.workers])
+            **named, **({"lifetime": "detached"} if named else {}), num_cpus=0, max_concurrency=8,
+            scheduling_strategy=here, max_restarts=-1,
+        ).remote(self.config.server.max_queued_requests, restart=self.config.recovery.restart_policy(),
+                 members=[(specs[w.worker_id], w.handle) for w in self.workers])
+        ray.get(self.controller.snapshot.remote())
 
     def actor_name(self, name: str) -> dict[str, Any]:
         """Ray actor options naming one of this deployment's actors (none when it is not named)."""
@@ -263,15 +276,22 @@ class Cluster:
             self._board = None
         if not ray.is_initialized():
             return
-        for w in self.workers:
+        handles = {w.worker_id: w.handle for w in self.workers}
+        if self.controller is not None:
+            with contextlib.suppress(Exception):  # the controller restarted some: theirs are current
+                self.controller.shutdown.remote()
+                handles.update(ray.get(self.controller.handles.remote(), timeout=10))
+        for handle in handles.values():
             try:
-                ray.get(w.handle.shutdown.remote(), timeout=10)
+                ray.get(handle.shutdown.remote(), timeout=10)
             except Exception:  # already dead: killing below is enough
                 pass
-            ray.kill(w.handle)
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
         self.workers = []
         if self.controller is not None:
-            ray.kill(self.controller)
+            with contextlib.suppress(Exception):
+                ray.kill(self.controller, no_restart=True)
             self.controller = None
         if self._started_ray:
             ray.shutdown()

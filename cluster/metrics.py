@@ -71,6 +71,10 @@ class Metrics:
                                         registry=r)
         self.kv_reservable_blocks = Gauge("baton:kv_reservable_blocks", "The worker's KV blocks this front "
                                           "may reserve (its share of them)", ["worker"], registry=r)
+        self.migrations = Counter("baton:request_migrations_total", "Requests placed again because a worker "
+                                  "holding them died, by the dead worker's role", ["role"], registry=r)
+        self.worker_restarts = Counter("baton:worker_restarts_total", "Dead workers the controller started "
+                                       "again, as this front adopted them", ["role"], registry=r)
         self.running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w,
                              registry=r)
         self.paused = Gauge("baton:num_requests_paused", "Requests descheduled because their reader fell "
@@ -198,6 +202,12 @@ class Metrics:
             self.kv_transfer_bytes.labels(role, worker).inc(c.delta("b", transfer.get("bytes", 0)))
             for seconds in transfer.get("recent_seconds", []):
                 self.kv_transfer_seconds.labels(role, worker).observe(seconds)
+
+    def observe_restart(self, role: str) -> None:
+        self.worker_restarts.labels(role).inc()
+
+    def observe_migration(self, role: str) -> None:
+        self.migrations.labels(role).inc()
 
     def observe_route(self, policy: str, reason: str, matched_tokens: int, prompt_tokens: int) -> None:
         """One routing decision (``PoolClient``'s ``metrics`` hook)."""

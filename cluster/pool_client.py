@@ -27,7 +27,7 @@ from workers.actor.output_stream import FRAME, frame, hello_payload
 from workers.blocks.prefix_hash import CacheNamespace, block_hashes
 from workers.engine.outputs import TokenDelta
 from workers.engine.validation import RequestLimits
-from workers.errors import InvalidRequestError, OverloadedError
+from workers.errors import InvalidRequestError, OverloadedError, WorkerLostError
 from workers.sampling.params import SamplingParams
 
 log = logging.getLogger("baton.pool")
@@ -43,13 +43,14 @@ class WorkerRef:
     info: dict[str, Any] = field(default_factory=dict)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     alive: bool = True
+    incarnation: int = 0  # how many times the controller has restarted it (a new actor each time)
 
 
 @dataclass
 class _Stream:
     queue: asyncio.Queue
     remaining: int
-    workers: set[str]
+    workers: set[str]  # the workers of the current placement
     wire_id: str  # the id the workers know this attempt by (unique, unlike a client's id)
     paused: bool = False
     flow_seq: int = 0  # orders pause/resume calls, which a threaded actor may run out of order
@@ -58,6 +59,33 @@ class _Stream:
     decode_id: str | None = None
     handed: set[int] = field(default_factory=set)  # samples the decode worker has sent deltas for
     finished: set[int] = field(default_factory=set)  # samples whose final delta went to the caller
+    # Sample index -> the wire id it runs under now: the request's own at first; after a migration,
+    # each unfinished sample is resubmitted alone under one of its own.
+    wires: dict[int, str] = field(default_factory=dict)
+    emitted: dict[int, list[int]] = field(default_factory=dict)  # tokens the caller has, per sample
+    migrations: int = 0
+    placed_n: int = 1  # samples the current placement runs
+
+
+@dataclass
+class _Migrate:
+    """Queued to a stream when a worker of its placement died: place it again and resume."""
+
+    worker_id: str
+    error: BaseException
+
+
+@dataclass
+class _Placement:
+    """Where a request's unfinished samples run: the worker that computes their prompt (and
+    first token) and, disaggregated, the decode worker that continues them."""
+
+    first: WorkerRef
+    decode: WorkerRef | None
+    pending: int  # prompt positions ``first`` has left to compute, until its first token
+    hashes: list[bytes]
+    estimated_ttft_s: float | None
+    prefilling: bool = True
 
 
 class PoolClient:
@@ -71,6 +99,10 @@ class PoolClient:
     Backpressure: when a reader falls ``high_water`` deltas behind, its request is paused on the
     workers (descheduled, KV kept) and resumed once the backlog drains below ``low_water``, so a
     slow client costs memory for at most ``high_water`` deltas and no compute.
+
+    Migration: when a worker holding a request dies, its unfinished samples are placed again
+    (up to ``max_migrations`` times, waiting up to ``migration_wait_s`` for a live worker) and
+    resume from the tokens the caller already has, so the stream neither repeats nor skips one.
     """
 
     high_water = 64
@@ -79,7 +111,8 @@ class PoolClient:
     def __init__(self, workers: list[WorkerRef], limits: RequestLimits, max_queued: int = 512,
                  policy: RoutingPolicy | str = "cost", on_stats: Any = None, controller: Any = None,
                  metrics: Any = None, events_interval_s: float = 0.25, index_ttl_s: float = 10.0,
-                 sole_front: bool = True, admission: Any = None) -> None:
+                 sole_front: bool = True, admission: Any = None, max_migrations: int = 3,
+                 migration_wait_s: float = 30.0) -> None:
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.load.sole_front = sole_front
@@ -102,6 +135,8 @@ class PoolClient:
         self._overloaded = False
         self._writers: list[asyncio.StreamWriter] = []
         self.admission = admission  # cluster.admission.kv.KVAdmission: stage 2, or None to admit all
+        self.max_migrations, self.migration_wait_s = max_migrations, migration_wait_s
+        self.migrations_total = 0
 
     @property
     def colocated(self) -> bool:
@@ -111,12 +146,16 @@ class PoolClient:
         """Connect to every worker's output stream (or poll it) and start the stats loop (call
         from the serving event loop)."""
         for w in self.workers.values():
-            reader = await self._connect(w)
-            loop = self._read_loop(w, reader) if reader is not None else self._poll_loop(w)
-            self._tasks.append(asyncio.create_task(loop))
+            await self._listen(w)
         self._tasks.append(asyncio.create_task(self._stats_loop(stats_interval_s)))
         if self._namespace is not None:
             self._tasks.append(asyncio.create_task(self._events_loop()))
+
+    async def _listen(self, w: WorkerRef) -> None:
+        """Start taking ``w``'s deltas: from its output stream, or by polling it."""
+        reader = await self._connect(w)
+        loop = self._read_loop(w, reader, w.incarnation) if reader is not None else self._poll_loop(w, w.incarnation)
+        self._tasks.append(asyncio.create_task(loop))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -162,48 +201,43 @@ class PoolClient:
             for i in range(params.n):
                 yield TokenDelta(request_id, i, [], finish_reason="abort", stop_reason="aborted while queued")
             return
-        first, decode = decision.first, decision.decode
-        stream = _Stream(asyncio.Queue(), params.n, {first.worker_id} | ({decode.worker_id} if decode else set()),
-                         wire_id, n=params.n, prefill_id=first.worker_id if decode else None,
-                         decode_id=decode.worker_id if decode else None)
+        stream = _Stream(asyncio.Queue(), params.n, set(), wire_id, n=params.n,
+                         wires={i: wire_id for i in range(params.n)})
         self._streams[request_id] = stream
         self._by_wire[wire_id] = stream
-        first.load.outstanding += 1
-        # What ``first`` has left to compute for this prompt, until its first token says it is done.
-        pending = len(prompt_token_ids) - decision.matched_blocks * (self._block_size or 0)
-        first.load.local_pending_prefill += pending
-        prefilling = True
-        if decode is not None:
-            decode.load.outstanding += 1
+        placed: _Placement | None = None
         done = False
         try:
-            await first.handle.add_request.remote(
-                wire_id, prompt_token_ids, params_to_dict(params), priority, cache_salt,
-                time.monotonic() - arrival, decode.worker_id if decode else None, self.front_id,
-                getattr(ticket, "tenant_name", ""))
+            placed = await self._place(stream, decision, hashes, prompt_token_ids, params, priority, cache_salt,
+                                       arrival, ticket)
             while True:
                 delta = await stream.queue.get()
+                if isinstance(delta, _Migrate):
+                    self._unplace(placed)
+                    placed = None
+                    decision, hashes, params = await self._replace(stream, delta, prompt_token_ids, params,
+                                                                    cache_salt, priority, ticket)
+                    placed = await self._place(stream, decision, hashes, prompt_token_ids, params, priority,
+                                               cache_salt, arrival, ticket)
+                    continue
                 if isinstance(delta, BaseException):
                     raise delta
+                if delta.recoverable and stream.workers:
+                    # A sample's KV did not reach (or did not verify on) the decode worker: the
+                    # request is placed again, from the tokens its caller has.
+                    self._lose(stream, stream.prefill_id or next(iter(stream.workers)),
+                               RuntimeError(delta.stop_reason), dead=False)
+                    continue
                 if stream.paused and stream.queue.qsize() <= self.low_water:
                     self._set_paused(stream, False)
-                if prefilling and (delta.token_ids or delta.finish_reason is not None):
-                    prefilling = False
-                    first.load.local_pending_prefill -= pending
-                    if delta.token_ids and hashes:
-                        # The prefill is done, however long it queued: the prediction made at routing
-                        # time must outlive it until the workers' events confirm the blocks.
-                        for w in (first, decode):
-                            if w is not None:
-                                self.index.predict(w.worker_id, hashes)
-                    if delta.token_ids and self.metrics is not None:
-                        self.metrics.observe_route_ttft(self.policy.name, decision.estimated_ttft_s,
-                                                        time.monotonic() - arrival)
+                if placed.prefilling and (delta.token_ids or delta.finish_reason is not None):
+                    self._prefilled(placed, stream, delta, arrival)
                 delta.request_id = request_id
+                if delta.index in stream.finished:
+                    continue  # already ended here (a stop string, an abort raced the worker's own end)
                 if delta.finish_reason is not None:
-                    if delta.index in stream.finished:
-                        continue  # already ended here (an abort-all raced the worker's own end)
                     stream.finished.add(delta.index)
+                stream.emitted.setdefault(delta.index, []).extend(delta.token_ids)
                 yield delta
                 if delta.finish_reason is not None:
                     stream.remaining -= 1
@@ -212,38 +246,140 @@ class PoolClient:
                         return
         finally:
             self._streams.pop(request_id, None)
-            self._by_wire.pop(wire_id, None)
-            first.load.outstanding -= 1
-            if prefilling:
-                first.load.local_pending_prefill -= pending
-            if decode is not None:
-                decode.load.outstanding -= 1
+            for wire in set(stream.wires.values()):
+                self._by_wire.pop(wire, None)
+            if placed is not None:
+                self._unplace(placed)
             if self.admission is not None:
                 self.admission.release(wire_id)
             if not done:
-                self._abort_on_workers(wire_id, stream.workers)
+                self._abort_stream(stream)
+
+    async def _place(self, stream: _Stream, decision: Decision, hashes: list[bytes], prompt_token_ids: list[int],
+                     params: SamplingParams, priority: int, salt: str | None, arrival: float,
+                     ticket: Any) -> _Placement:
+        """Send the stream's unfinished samples to the decision's workers: the whole request the
+        first time, each sample on its own, resuming from its emitted tokens, after a migration."""
+        first, decode = decision.first, decision.decode
+        stream.workers = {first.worker_id} | ({decode.worker_id} if decode else set())
+        stream.prefill_id = first.worker_id if decode else None
+        stream.decode_id = decode.worker_id if decode else None
+        stream.handed = set()
+        resumed = {i: toks for i, toks in stream.emitted.items() if i not in stream.finished}
+        longest = max((len(t) for t in resumed.values()), default=0)
+        pending = len(prompt_token_ids) + longest - decision.matched_blocks * (self._block_size or 0)
+        placed = _Placement(first, decode, pending, hashes, decision.estimated_ttft_s)
+        first.load.outstanding += 1
+        first.load.local_pending_prefill += pending
+        if decode is not None:
+            decode.load.outstanding += 1
+        common = (priority, salt, time.monotonic() - arrival, decode.worker_id if decode else None,
+                  self.front_id, getattr(ticket, "tenant_name", ""))
+        stream.placed_n = stream.n - len(stream.finished)
+        if stream.migrations == 0:
+            calls = [first.handle.add_request.remote(stream.wire_id, prompt_token_ids, params_to_dict(params),
+                                                     *common)]
+        else:
+            one = params_to_dict(dataclasses.replace(params, n=1))
+            calls = []
+            for i in range(stream.n):
+                if i in stream.finished:
+                    continue
+                wire = stream.wires[i] = f"{stream.wire_id}.m{stream.migrations}.{i}"
+                self._by_wire[wire] = stream
+                calls.append(first.handle.add_request.remote(
+                    wire, prompt_token_ids, one, *common,
+                    resume={"index": i, "output_token_ids": stream.emitted.get(i, [])}))
+        try:
+            await asyncio.gather(*calls)
+        except Exception as exc:  # the worker died since routing: as if its stream had ended
+            if stream.workers:  # (not already seen dead by its reader)
+                self._lose(stream, first.worker_id, exc)
+        return placed
+
+    def _unplace(self, placed: _Placement) -> None:
+        placed.first.load.outstanding -= 1
+        if placed.prefilling:
+            placed.first.load.local_pending_prefill -= placed.pending
+        if placed.decode is not None:
+            placed.decode.load.outstanding -= 1
+
+    def _prefilled(self, placed: _Placement, stream: _Stream, delta: TokenDelta, arrival: float) -> None:
+        """The placement's first worker is past the prompt: its pending work and the index's
+        prediction follow."""
+        placed.prefilling = False
+        placed.first.load.local_pending_prefill -= placed.pending
+        if delta.token_ids and placed.hashes:
+            # The prefill is done, however long it queued: the prediction made at routing time must
+            # outlive it until the workers' events confirm the blocks.
+            for w in (placed.first, placed.decode):
+                if w is not None:
+                    self.index.predict(w.worker_id, placed.hashes)
+        if delta.token_ids and self.metrics is not None and stream.migrations == 0:
+            self.metrics.observe_route_ttft(self.policy.name, placed.estimated_ttft_s, time.monotonic() - arrival)
+
+    async def _replace(self, stream: _Stream, why: _Migrate, prompt_token_ids: list[int], params: SamplingParams,
+                       salt: str | None, priority: int, ticket: Any) -> tuple[Decision, list[bytes], SamplingParams]:
+        """A new decision for a stream whose worker died, waiting (bounded) for a live one; raises
+        WorkerLostError when none comes."""
+        stream.migrations += 1
+        self.migrations_total += 1
+        unfinished = [i for i in range(stream.n) if i not in stream.finished]
+        longest = max((stream.emitted.get(i, []) for i in unfinished), key=len, default=[])
+        log.warning("request %s lost on worker %s (%r): placing %d sample(s) again after %d token(s) "
+                    "(migration %d of %d)", stream.wire_id, why.worker_id, why.error, len(unfinished), len(longest),
+                    stream.migrations, self.max_migrations)
+        if self.metrics is not None:
+            self.metrics.observe_migration(self.workers[why.worker_id].role)
+        deadline = time.monotonic() + self.migration_wait_s
+        resumed = [*prompt_token_ids, *longest]
+        while True:
+            try:
+                decision, hashes = self._route(resumed, salt, params)
+                break
+            except OverloadedError:
+                if time.monotonic() >= deadline:
+                    raise WorkerLostError(f"worker {why.worker_id} failed ({why.error!r}) and no healthy worker "
+                                          f"took the request over within {self.migration_wait_s:g}s") from None
+                await asyncio.sleep(0.1)
+        if self.admission is not None:
+            self.admission.release(stream.wire_id)
+            decision, hashes, params = await self._admit(stream.wire_id, resumed, salt, params, priority, ticket,
+                                                         decision, hashes, charge=False)
+        return decision, hashes, params
 
     def abort(self, request_id: str) -> None:
-        """Abort a request in flight from this front (no-op when unknown or finished)."""
+        """Abort a request in flight from this front (no-op when unknown or finished): the workers
+        stop it, and its stream ends now with ``finish_reason`` "abort" (the workers, which forget
+        the request at once, send nothing more for it)."""
         stream = self._streams.get(request_id)
-        if stream is not None:
-            self._abort_on_workers(stream.wire_id, stream.workers)
+        if stream is None:
+            return
+        self._abort_stream(stream)
+        self._end_here(stream, "aborted")
+
+    def _end_here(self, stream: _Stream, reason: str) -> None:
+        """Give each unfinished sample its final delta from this front; the placement's later
+        deltas are dropped."""
+        for wire in set(stream.wires.values()):
+            self._by_wire.pop(wire, None)
+        stream.workers = set()
+        for i in range(stream.n):
+            if i not in stream.finished:
+                stream.queue.put_nowait(TokenDelta(stream.wire_id, i, [], finish_reason="abort", stop_reason=reason))
 
     def abort_all(self, reason: str) -> int:
         """End every request in flight with ``finish_reason`` "abort" (drain): the workers stop
         them, and each unfinished sample's stream gets its final delta now. Returns how many."""
         for stream in list(self._streams.values()):
-            self._abort_on_workers(stream.wire_id, stream.workers)
-            for i in range(stream.n):
-                if i not in stream.finished:
-                    stream.queue.put_nowait(TokenDelta(stream.wire_id, i, [], finish_reason="abort",
-                                                       stop_reason=reason))
+            self._abort_stream(stream)
+            self._end_here(stream, reason)
         count = len(self._streams)
         self._streams.clear()  # requests still queued at stage 2 see this and end too
         return count
 
     async def _admit(self, wire_id: str, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
-                     priority: int, ticket: Any, decision: Decision, hashes: list[bytes]
+                     priority: int, ticket: Any, decision: Decision, hashes: list[bytes], charge: bool = True
                      ) -> tuple[Decision, list[bytes], SamplingParams]:
         """Stage 2: reserve the request's KV on the worker that keeps it; re-route when the
         reservation landed elsewhere or waited (the first choice is stale by then)."""
@@ -267,7 +403,8 @@ class PoolClient:
                 ticket.degraded["max_tokens"] = held.max_tokens
         if ticket is not None:
             ticket.queue_time_s += held.queued_s
-            ticket.charge_tokens(len(prompt_token_ids) + held.max_tokens * params.n)
+            if charge:  # a migration re-reserves what the tenant was charged for once
+                ticket.charge_tokens(len(prompt_token_ids) + held.max_tokens * params.n)
         if held.worker_id != keeper.worker_id or held.queued_s > 0:
             decision, hashes = self._route(prompt_token_ids, salt, params, keeper=held.worker_id)
         return decision, hashes, params
@@ -276,16 +413,24 @@ class PoolClient:
         room = self.limits.max_model_len - prompt_len
         return max(min(params.max_tokens if params.max_tokens is not None else room, room), 1)
 
-    def _abort_on_workers(self, wire_id: str, workers: set[str]) -> None:
-        for wid in workers:
+    def _abort_stream(self, stream: _Stream, workers: set[str] | None = None) -> None:
+        """Abort every wire id of the stream on ``workers`` (default: its placement's) that live."""
+        wires = set(stream.wires.values())
+        for wid in stream.workers if workers is None else workers:
             w = self.workers.get(wid)
             if w is not None and w.alive:
-                w.handle.abort.remote(wire_id)
+                for wire in wires:
+                    w.handle.abort.remote(wire)
 
     def finish_sample(self, request_id: str, index: int, stop: str) -> None:
+        """The caller matched stop string ``stop`` in sample ``index``: the workers stop it, and
+        its stream gets its final delta now (what the workers ran on with is dropped)."""
         stream = self._streams.get(request_id)
-        for wid in stream.workers if stream else ():
-            self.workers[wid].handle.finish_sample.remote(stream.wire_id, index, stop)
+        if stream is None or index in stream.finished:
+            return
+        for wid in stream.workers:
+            self.workers[wid].handle.finish_sample.remote(stream.wires.get(index, stream.wire_id), index, stop)
+        stream.queue.put_nowait(TokenDelta(stream.wire_id, index, [], finish_reason="stop", stop_reason=stop))
 
     def stats(self) -> dict[str, Any]:
         return {wid: w.load for wid, w in self.workers.items()}
@@ -369,7 +514,7 @@ class PoolClient:
         # Once every sample decodes on the decode worker (or ended before it had to), the prefill
         # worker holds nothing of the request: its death, or an abort, no longer concerns the stream.
         stream.handed.add(index)
-        if len(stream.handed) >= stream.n:
+        if len(stream.handed) >= stream.placed_n:
             stream.workers.discard(stream.prefill_id)
             stream.prefill_id = None
 
@@ -379,7 +524,8 @@ class PoolClient:
         for wid in stream.workers:
             w = self.workers.get(wid)
             if w is not None and w.alive:
-                w.handle.set_paused.remote(stream.wire_id, paused, stream.flow_seq)
+                for wire in set(stream.wires.values()):
+                    w.handle.set_paused.remote(wire, paused, stream.flow_seq)
 
     async def _connect(self, w: WorkerRef, timeout_s: float = 10.0) -> asyncio.StreamReader | None:
         """Open ``w``'s output stream; None (poll it instead) where it has none or it fails."""
@@ -415,41 +561,70 @@ class PoolClient:
         (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
         return await reader.readexactly(size)
 
-    async def _read_loop(self, w: WorkerRef, reader: asyncio.StreamReader) -> None:
+    async def _read_loop(self, w: WorkerRef, reader: asyncio.StreamReader, incarnation: int) -> None:
         try:
             while True:
                 self._deliver(decode_deltas(await self._read_frame(reader)), w.worker_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # EOF or reset: the worker process is gone
-            log.error("worker %s closed its output stream: %r", w.worker_id, exc)
-            self._mark_dead(w, exc)
+            if w.incarnation == incarnation:  # (not a restarted one's stream ending late)
+                log.error("worker %s closed its output stream: %r", w.worker_id, exc)
+                self._mark_dead(w, exc)
 
-    async def _poll_loop(self, w: WorkerRef) -> None:
-        while True:
+    async def _poll_loop(self, w: WorkerRef, incarnation: int) -> None:
+        while w.incarnation == incarnation:
             try:
                 data = await w.handle.poll.remote(self.front_id, 0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the actor died: fail its requests, stop routing to it
-                log.error("worker %s failed: %r", w.worker_id, exc)
-                self._mark_dead(w, exc)
+                if w.incarnation == incarnation:
+                    log.error("worker %s failed: %r", w.worker_id, exc)
+                    self._mark_dead(w, exc)
                 return
             if data:
                 self._deliver(decode_deltas(data), w.worker_id)
+
+    async def _adopt(self, w: WorkerRef) -> None:
+        """The controller restarted ``w``: route to the new actor and take its deltas."""
+        incarnation, handle, info = await self.controller.worker.remote(w.worker_id)
+        if incarnation <= w.incarnation:
+            return
+        if w.alive:  # its death went unnoticed here (no stream to close): its requests move first
+            self._mark_dead(w, RuntimeError("restarted by the controller"))
+        w.handle, w.info, w.incarnation = handle, info, incarnation
+        w.load = WorkerLoad(sole_front=w.load.sole_front)
+        self.index.remove(w.worker_id)
+        await self._listen(w)
+        w.alive = True
+        log.warning("worker %s is back (incarnation %d)", w.worker_id, incarnation)
+        if self.metrics is not None:
+            self.metrics.observe_restart(w.role)
 
     def _mark_dead(self, w: WorkerRef, exc: BaseException) -> None:
         w.alive = False
         self.index.remove(w.worker_id)
         if self.controller is not None:
-            self.controller.mark_dead.remote(w.worker_id)
+            self.controller.mark_dead.remote(w.worker_id, w.incarnation)
         for stream in list(self._streams.values()):
             if w.worker_id in stream.workers:
-                for other in stream.workers - {w.worker_id}:
-                    ref = self.workers.get(other)
-                    if ref is not None and ref.alive:
-                        ref.handle.abort.remote(stream.wire_id)
-                stream.queue.put_nowait(RuntimeError(f"worker {w.worker_id} failed: {exc!r}"))
+                self._lose(stream, w.worker_id, exc)
+
+    def _lose(self, stream: _Stream, worker_id: str, exc: BaseException, dead: bool = True) -> None:
+        """A worker of the stream's placement is gone (or, ``dead`` False, failed the request):
+        end the placement and queue a migration (or, when they ran out, the error) behind every
+        delta the caller is still to get."""
+        self._abort_stream(stream, stream.workers - {worker_id} if dead else None)
+        # Nothing more of this placement reaches the caller: what it has is where samples resume.
+        for wire in set(stream.wires.values()):
+            self._by_wire.pop(wire, None)
+        stream.workers = set()
+        if stream.migrations < self.max_migrations:
+            stream.queue.put_nowait(_Migrate(worker_id, exc))
+        else:
+            used = f" ({stream.migrations} migration(s) used)" if self.max_migrations else ""
+            stream.queue.put_nowait(WorkerLostError(f"worker {worker_id} failed: {exc!r}{used}"))
 
     async def _events_loop(self) -> None:
         """Keep the prefix index in step with every live worker's KV events."""
@@ -505,7 +680,10 @@ class PoolClient:
         self._overloaded = bool(snap["overloaded"])
         for wid, member in snap["members"].items():
             w = self.workers.get(wid)
-            if w is None:
+            if w is None or member.get("incarnation", 0) < w.incarnation:
+                continue  # unknown, or a view older than the restart this front already adopted
+            if member["alive"] and member.get("incarnation", 0) > w.incarnation:
+                await self._adopt(w)
                 continue
             if w.alive and not member["alive"]:
                 self._mark_dead(w, RuntimeError("failed health checks"))

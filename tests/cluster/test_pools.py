@@ -271,11 +271,11 @@ def test_colocated_mode_matches(ray_session, tiny_model_dir):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir, transport):
-    """Kill the decode actor mid-stream: the stream errors out, the prefill worker keeps no KV,
-    and new requests are refused (no live decode worker) instead of hanging."""
+    """Kill the decode actor mid-stream with migration off: the stream errors out, the prefill
+    worker keeps no KV, and new requests are refused (no live decode worker) instead of hanging."""
     import ray
 
-    from workers.errors import OverloadedError
+    from workers.errors import OverloadedError, WorkerLostError
 
     cluster = Cluster(_config(tiny_model_dir, SHARE, transport, prefill=1, decode=1))
     cluster.start()
@@ -283,11 +283,11 @@ def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir, 
     decode = next(w for w in cluster.workers if w.role == "decode")
 
     async def main():
-        pool = PoolClient(cluster.workers, cluster.limits, policy=_hop())
+        pool = PoolClient(cluster.workers, cluster.limits, policy=_hop(), max_migrations=0)
         await pool.start(stats_interval_s=0.2)
         got = 0
         try:
-            with pytest.raises(RuntimeError, match="failed"):
+            with pytest.raises(WorkerLostError, match="failed"):
                 async for d in pool.generate("doomed", [5, 6, 7, 8, 9], SamplingParams(
                         temperature=0, max_tokens=400, ignore_eos=True)):
                     got += len(d.token_ids)
