@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -37,24 +36,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine import cpu_name, pct  # noqa: E402
+
 FLOOD_KEY, A_KEY, B_KEY, WARM_KEY = "sk-flood", "sk-tenant-a", "sk-tenant-b", "sk-warm-up"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -143,7 +127,7 @@ async def _flood_http(url: str, rate: float, seconds: float, connections: int) -
     await asyncio.gather(*(connection() for _ in range(connections)))
     elapsed = time.perf_counter() - start
     return {"codes": codes, "elapsed_s": elapsed, "sent": total, "achieved_rps": total / elapsed,
-            "latency_p50_ms": _pct(latencies, 50) * 1e3, "latency_p99_ms": _pct(latencies, 99) * 1e3}
+            "latency_p50_ms": pct(latencies, 50) * 1e3, "latency_p99_ms": pct(latencies, 99) * 1e3}
 
 
 def part_gate(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -242,8 +226,8 @@ def part_stage2(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         server.stop()
         dep.stop()
-    return {"rounds": args.stage2_rounds, "ttft_with_ms": {"p50": _pct(on, 50) * 1e3, "p90": _pct(on, 90) * 1e3},
-            "ttft_without_ms": {"p50": _pct(off, 50) * 1e3, "p90": _pct(off, 90) * 1e3},
+    return {"rounds": args.stage2_rounds, "ttft_with_ms": {"p50": pct(on, 50) * 1e3, "p90": pct(on, 90) * 1e3},
+            "ttft_without_ms": {"p50": pct(off, 50) * 1e3, "p90": pct(off, 90) * 1e3},
             "overhead_p50_ms": (statistics.median(on) - statistics.median(off)) * 1e3,
             "paired_difference_median_ms": statistics.median(a - b for a, b in zip(on, off)) * 1e3,
             "paired_difference_mean_ms": statistics.fmean(a - b for a, b in zip(on, off)) * 1e3,
@@ -369,16 +353,16 @@ def part_flood(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             codes_a: dict[int, int] = {}
             await asyncio.gather(tenant_load(client, B_KEY, rate, args.flood_seconds, b, codes_b),
                                  tenant_load(client, A_KEY, rate * 10, args.flood_seconds, a, codes_a))
-        return {"b_alone": {"codes": codes_alone, "ttft_p50_ms": _pct(alone, 50) * 1e3,
-                            "ttft_p99_ms": _pct(alone, 99) * 1e3, "n": len(alone)},
-                "b_with_a_at_its_rate": {"codes": codes_b1, "ttft_p50_ms": _pct(b1, 50) * 1e3,
-                                         "ttft_p99_ms": _pct(b1, 99) * 1e3, "n": len(b1),
+        return {"b_alone": {"codes": codes_alone, "ttft_p50_ms": pct(alone, 50) * 1e3,
+                            "ttft_p99_ms": pct(alone, 99) * 1e3, "n": len(alone)},
+                "b_with_a_at_its_rate": {"codes": codes_b1, "ttft_p50_ms": pct(b1, 50) * 1e3,
+                                         "ttft_p99_ms": pct(b1, 99) * 1e3, "n": len(b1),
                                          "a_codes": codes_a1},
-                "b_under_flood": {"codes": codes_b, "ttft_p50_ms": _pct(b, 50) * 1e3,
-                                  "ttft_p99_ms": _pct(b, 99) * 1e3, "n": len(b)},
+                "b_under_flood": {"codes": codes_b, "ttft_p50_ms": pct(b, 50) * 1e3,
+                                  "ttft_p99_ms": pct(b, 99) * 1e3, "n": len(b)},
                 "a_flood": {"codes": codes_a, "admitted": len(a)},
-                "b_p99_ratio": _pct(b, 99) / _pct(alone, 99),
-                "b_p99_ratio_flood_vs_a_at_its_rate": _pct(b, 99) / _pct(b1, 99)}
+                "b_p99_ratio": pct(b, 99) / pct(alone, 99),
+                "b_p99_ratio_flood_vs_a_at_its_rate": pct(b, 99) / pct(b1, 99)}
 
     try:
         result = asyncio.run(run())
@@ -424,7 +408,7 @@ def part_isolation(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         server.stop()
         dep.stop()
-    ms = lambda xs: {"p50": _pct(xs, 50) * 1e3, "p90": _pct(xs, 90) * 1e3}  # noqa: E731
+    ms = lambda xs: {"p50": pct(xs, 50) * 1e3, "p90": pct(xs, 90) * 1e3}  # noqa: E731
     return {"rounds": args.isolation_rounds, "b_on_a_cached_prompt_ms": ms(seen_by_b),
             "b_on_fresh_prompt_ms": ms(fresh_for_b), "a_on_its_cached_prompt_ms": ms(hit_for_a),
             "b_cached_over_fresh_p50": statistics.median(seen_by_b) / statistics.median(fresh_for_b)}
@@ -451,7 +435,7 @@ def main() -> int:
         return 0
     import tempfile
 
-    results: dict[str, Any] = {"date": date.today().isoformat(), "cpu": _cpu_name(), "cores": os.cpu_count(),
+    results: dict[str, Any] = {"date": date.today().isoformat(), "cpu": cpu_name(), "cores": os.cpu_count(),
                                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
