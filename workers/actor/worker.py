@@ -423,10 +423,10 @@ class Worker:
 
     # ------------------------------------------------------------------ KVHost, for connectors
     def register(self, request_id: str, front_id: str, index: int) -> None:
-        with self._out_cv:
+        with self._out_cv:  # one critical section: an abort between check and insert would leave it tracked
             if request_id in self._cancelled:  # aborted since the connector checked: it will be refused
                 return
-        self._register(request_id, front_id, (index,))
+            self._register(request_id, front_id, (index,))
 
     def owner_front(self, request_id: str) -> str:
         owner = self._owner.get(request_id)
