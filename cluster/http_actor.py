@@ -52,7 +52,8 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
                       policy=router.make_policy(), events_interval_s=router.events_interval_s,
                       index_ttl_s=router.index_ttl_s, sole_front=sole_front, admission=admission.kv,
                       max_migrations=config.recovery.max_migrations,
-                      migration_wait_s=config.recovery.migration_wait_s)
+                      migration_wait_s=config.recovery.migration_wait_s,
+                      probe_timeout_s=config.kv_transfer.timeout_s)
     server = config.server
     gateway = Gateway(admission.gate, IdempotencyStore(ttl_s=server.idempotency_ttl_s,
                                                        grace_s=server.idempotency_grace_s), owners=run_owners)
@@ -66,7 +67,7 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
                           ready=pool.ready, metrics_registry=metrics.registry,
                           on_startup=[remember_loop, pool.start], on_shutdown=[pool.stop], gateway=gateway,
                           admin=admission.directory.is_admin if server.protect_metrics else None,
-                          protect_probes=server.protect_probes)
+                          protect_probes=server.protect_probes, status=pool.status)
     return front
 
 

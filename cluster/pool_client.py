@@ -73,6 +73,7 @@ class _Migrate:
 
     worker_id: str
     error: BaseException
+    suspects: tuple[str, ...] = ()  # live workers of a failed transfer: probed before re-routing
 
 
 @dataclass
@@ -112,7 +113,7 @@ class PoolClient:
                  policy: RoutingPolicy | str = "cost", on_stats: Any = None, controller: Any = None,
                  metrics: Any = None, events_interval_s: float = 0.25, index_ttl_s: float = 10.0,
                  sole_front: bool = True, admission: Any = None, max_migrations: int = 3,
-                 migration_wait_s: float = 30.0) -> None:
+                 migration_wait_s: float = 30.0, probe_timeout_s: float = 5.0) -> None:
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.load.sole_front = sole_front
@@ -136,7 +137,10 @@ class PoolClient:
         self._writers: list[asyncio.StreamWriter] = []
         self.admission = admission  # cluster.admission.kv.KVAdmission: stage 2, or None to admit all
         self.max_migrations, self.migration_wait_s = max_migrations, migration_wait_s
+        self.probe_timeout_s = probe_timeout_s
         self.migrations_total = 0
+        self._members: dict[str, dict[str, Any]] = {}  # the controller's last view, by worker id
+        self._members_at: float | None = None  # when it came (monotonic)
 
     @property
     def colocated(self) -> bool:
@@ -226,7 +230,7 @@ class PoolClient:
                     # A sample's KV did not reach (or did not verify on) the decode worker: the
                     # request is placed again, from the tokens its caller has.
                     self._lose(stream, stream.prefill_id or next(iter(stream.workers)),
-                               RuntimeError(delta.stop_reason), dead=False)
+                               RuntimeError(delta.stop_reason), dead=False, suspects=tuple(sorted(stream.workers)))
                     continue
                 if stream.paused and stream.queue.qsize() <= self.low_water:
                     self._set_paused(stream, False)
@@ -331,6 +335,8 @@ class PoolClient:
                     stream.migrations, self.max_migrations)
         if self.metrics is not None:
             self.metrics.observe_migration(self.workers[why.worker_id].role)
+        if why.suspects:
+            await self._probe(why.suspects, why.error)
         deadline = time.monotonic() + self.migration_wait_s
         resumed = [*prompt_token_ids, *longest]
         while True:
@@ -347,6 +353,28 @@ class PoolClient:
             decision, hashes, params = await self._admit(stream.wire_id, resumed, salt, params, priority, ticket,
                                                          decision, hashes, charge=False)
         return decision, hashes, params
+
+    async def _probe(self, worker_ids: tuple[str, ...], error: BaseException) -> None:
+        """A transfer between these workers failed without either dying (a peer that stopped
+        answering, a paused process): one that does not answer a stats call within
+        ``probe_timeout_s`` is dead here and to the controller, so the request neither goes back
+        to it nor spends its migrations there while the health checks catch up."""
+        live = [self.workers[wid] for wid in worker_ids if wid in self.workers and self.workers[wid].alive]
+
+        async def answers(w: WorkerRef) -> bool:
+            try:
+                await asyncio.wait_for(w.handle.stats.remote(), timeout=self.probe_timeout_s)
+                return True
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                return False
+
+        for w, ok in zip(live, await asyncio.gather(*(answers(w) for w in live))):
+            if not ok and w.alive:
+                log.error("worker %s did not answer within %gs after a failed KV transfer (%r): dead",
+                          w.worker_id, self.probe_timeout_s, error)
+                self._mark_dead(w, RuntimeError(f"did not answer after a failed KV transfer: {error!r}"))
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight from this front (no-op when unknown or finished): the workers
@@ -438,6 +466,22 @@ class PoolClient:
     def ready(self) -> bool:
         roles = {w.role for w in self.workers.values() if w.alive}
         return "colocated" in roles or {"prefill", "decode"} <= roles
+
+    def status(self) -> dict[str, Any]:
+        """This front's view of the deployment for ``GET /status`` and ``baton status``: each
+        worker (alive, incarnation, restarts, quarantined, load) and the front's migrations."""
+        workers = []
+        for wid, w in sorted(self.workers.items()):
+            member = self._members.get(wid, {})
+            workers.append({
+                "worker_id": wid, "role": w.role, "alive": w.alive, "incarnation": w.incarnation,
+                "restarts": int(member.get("restarts", 0)), "restarting": bool(member.get("restarting", False)),
+                "quarantined": bool(member.get("quarantined", False)), "num_running": w.load.num_running,
+                "num_waiting": w.load.num_waiting, "kv_cache_usage": round(w.load.kv_cache_usage, 4)})
+        age = None if self._members_at is None else round(time.monotonic() - self._members_at, 3)
+        return {"ready": self.ready(), "front_id": self.front_id, "workers": workers,
+                "migrations_total": self.migrations_total, "open_streams": len(self._streams),
+                "controller": None if self.controller is None else {"view_age_s": age}}
 
     # ------------------------------------------------------------------ internals
     def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
@@ -611,17 +655,18 @@ class PoolClient:
             if w.worker_id in stream.workers:
                 self._lose(stream, w.worker_id, exc)
 
-    def _lose(self, stream: _Stream, worker_id: str, exc: BaseException, dead: bool = True) -> None:
+    def _lose(self, stream: _Stream, worker_id: str, exc: BaseException, dead: bool = True,
+              suspects: tuple[str, ...] = ()) -> None:
         """A worker of the stream's placement is gone (or, ``dead`` False, failed the request):
         end the placement and queue a migration (or, when they ran out, the error) behind every
-        delta the caller is still to get."""
+        delta the caller is still to get. ``suspects`` are probed before the migration routes."""
         self._abort_stream(stream, stream.workers - {worker_id} if dead else None)
         # Nothing more of this placement reaches the caller: what it has is where samples resume.
         for wire in set(stream.wires.values()):
             self._by_wire.pop(wire, None)
         stream.workers = set()
         if stream.migrations < self.max_migrations:
-            stream.queue.put_nowait(_Migrate(worker_id, exc))
+            stream.queue.put_nowait(_Migrate(worker_id, exc, suspects))
         else:
             used = f" ({stream.migrations} migration(s) used)" if self.max_migrations else ""
             stream.queue.put_nowait(WorkerLostError(f"worker {worker_id} failed: {exc!r}{used}"))
@@ -678,6 +723,7 @@ class PoolClient:
             log.warning("controller snapshot failed: %r", exc)
             return
         self._overloaded = bool(snap["overloaded"])
+        self._members, self._members_at = snap["members"], time.monotonic()
         for wid, member in snap["members"].items():
             w = self.workers.get(wid)
             if w is None or member.get("incarnation", 0) < w.incarnation:
