@@ -36,6 +36,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cluster.status_view import fetch_status, format_status
+
+    try:
+        status = fetch_status(args.url, args.api_key)
+    except Exception as exc:  # refused, timed out or an error reply: one line, not a traceback
+        print(f"baton status: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0 if status["ready"] else 1
+
+
 def _threads_arg(value: str) -> int | str:
     if value == "auto":
         return value
@@ -228,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tenants", default=None, metavar="FILE",
                      help="a tenants file (TOML): hashed keys, rates, budgets and priority classes")
     srv.set_defaults(func=_cmd_serve)
+
+    st = sub.add_parser("status", help="a running deployment's workers: alive, restarts, quarantined, load "
+                        "(exit 1 when it is not ready)")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="a front's address (default %(default)s)")
+    st.add_argument("--api-key", default=None, metavar="KEY",
+                    help="an admin key, where /status needs one (also $BATON_API_KEY)")
+    st.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    st.set_defaults(func=_cmd_status)
 
     keys = sub.add_parser("keys", help="API key helpers")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

@@ -27,7 +27,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
               ready: Callable[[], bool] | None = None, metrics_registry: Any = None,
               queue_size: int = 64, on_startup: Sequence[Callable[[], Any]] = (),
               on_shutdown: Sequence[Callable[[], Any]] = (), gateway: Gateway | None = None,
-              admin: Callable[[str | None], bool] | None = None, protect_probes: bool = False) -> FastAPI:
+              admin: Callable[[str | None], bool] | None = None, protect_probes: bool = False,
+              status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``client``.
 
     ``ready`` gates ``GET /ready`` (None: ready as soon as the app serves); a draining gate makes
@@ -36,7 +37,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
     ``gateway`` admits requests (``router.gateway``; None: everyone, no idempotency). ``admin``
     checks an ``Authorization`` header for ``/metrics`` (and, with ``protect_probes``, ``/health``
     and ``/ready``); None leaves them open. ``on_startup``/``on_shutdown`` callables (plain or
-    async) run on the server's event loop in the ASGI lifespan, in order.
+    async) run on the server's event loop in the ASGI lifespan, in order. ``status`` serves
+    ``GET /status`` (admin only, like ``/metrics``) and adds a workers summary to ``/ready``.
     """
     gateway = gateway or Gateway()
 
@@ -90,9 +92,18 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
         check_admin(request, protect_probes)
         if gateway.gate is not None and gateway.gate.draining:
             return APIError(503, "the server is shutting down").response()
+        summary = _workers_summary(status()) if status is not None else None
         if ready is not None and not ready():
-            return APIError(503, "the server is not ready yet").response()
-        return JSONResponse({"status": "ready"})
+            err = APIError(503, "the server is not ready yet" if summary is None
+                           else f"the server is not ready: {summary['alive']} of {summary['total']} workers alive")
+            return err.response()
+        return JSONResponse({"status": "ready"} if summary is None else {"status": "ready", "workers": summary})
+
+    if status is not None:
+        @app.get("/status")
+        async def cluster_status(request: Request) -> JSONResponse:
+            check_admin(request, True)
+            return JSONResponse(status())
 
     if metrics_registry is not None:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -105,6 +116,14 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_m
     app.add_middleware(GateMiddleware, gateway=gateway,
                        paths={"/v1/chat/completions": "chat", "/v1/completions": "completion"})
     return app
+
+
+def _workers_summary(status: dict[str, Any]) -> dict[str, Any]:
+    """What ``/ready`` tells a probe: counts, restarts and who is quarantined, not the loads."""
+    workers = status.get("workers", [])
+    return {"alive": sum(w["alive"] for w in workers), "total": len(workers),
+            "restarts": sum(w["restarts"] for w in workers),
+            "quarantined": [w["worker_id"] for w in workers if w["quarantined"]]}
 
 
 async def _call(hook: Callable[[], Any]) -> None:

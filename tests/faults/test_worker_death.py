@@ -196,13 +196,16 @@ def test_sole_worker_killed_is_restarted_and_its_streams_finish(ray_session, tin
         try:
             got, dead = await _batch_with_kill(pool, prompts, _busiest(role), kill_after)
             after = [d async for d in pool.generate("after", prompts[0], PARAMS[0])]
-            return got, dead, after, pool.workers[dead].incarnation
+            return got, dead, after, pool.workers[dead].incarnation, pool.status()
         finally:
             await pool.stop()
 
     try:
-        got, dead, after, incarnation = asyncio.run(main())
+        got, dead, after, incarnation, status = asyncio.run(main())
         assert got == want
+        row = next(w for w in status["workers"] if w["worker_id"] == dead)  # what /status and baton status show
+        assert (row["alive"], row["restarts"], row["quarantined"], row["incarnation"]) == (True, 1, False, incarnation)
+        assert status["ready"] and status["migrations_total"] == held[0] >= 1
         assert [t for d in after for t in d.token_ids] == want[0][0]
         assert incarnation > 0  # a new actor, adopted
         assert metrics.registry.get_sample_value("baton:worker_restarts_total", {"role": role}) == 1

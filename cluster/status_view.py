@@ -1,0 +1,47 @@
+"""``baton status``: a running deployment's workers as one front sees them (``GET /status``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_COLUMNS = ("worker", "role", "state", "incarnation", "restarts", "running", "waiting", "kv used")
+
+
+def fetch_status(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The front's ``/status`` JSON; raises ``RuntimeError`` with the server's message on an error reply."""
+    import httpx
+
+    key = api_key or os.environ.get("BATON_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    resp = httpx.get(url.rstrip("/") + "/status", headers=headers, timeout=timeout_s)
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:
+            message = resp.text[:200]
+        raise RuntimeError(f"{url} answered {resp.status_code}: {message}")
+    return resp.json()
+
+
+def _state(w: dict[str, Any]) -> str:
+    if w["quarantined"]:
+        return "quarantined"
+    if w["alive"]:
+        return "alive"
+    return "restarting" if w["restarting"] else "dead"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A table of the workers and a line about the front, for a terminal."""
+    rows = [_COLUMNS] + [(w["worker_id"], w["role"], _state(w), str(w["incarnation"]), str(w["restarts"]),
+                          str(w["num_running"]), str(w["num_waiting"]), f"{100 * w['kv_cache_usage']:.0f}%")
+                         for w in status["workers"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    ctl = status.get("controller")
+    age = "no controller" if ctl is None else (
+        "controller view: none yet" if ctl["view_age_s"] is None else f"controller view {ctl['view_age_s']:.1f} s old")
+    lines.append(f"{status['front_id']}: {'ready' if status['ready'] else 'NOT READY'}, "
+                 f"{status['open_streams']} open streams, {status['migrations_total']} migrations, {age}")
+    return "\n".join(lines)
