@@ -38,7 +38,7 @@ def undisturbed(model_dir) -> tuple[list[list[int]], list[dict[int, list[int]]]]
     return prompts, want
 
 
-def alive_idle(cluster: Cluster, dead: set[str], tracked: bool = True) -> None:
+def alive_idle(cluster: Cluster, dead: set[str], tracked: bool = True, num_blocks: int = NUM_BLOCKS) -> None:
     """Every surviving worker holds no request (nor tracks one for a front) and has every KV block
     free again."""
     import ray
@@ -49,7 +49,7 @@ def alive_idle(cluster: Cluster, dead: set[str], tracked: bool = True) -> None:
         deadline = time.monotonic() + 15
         while True:
             stats = ray.get(w.handle.stats.remote())
-            if (stats["num_free_blocks"] == NUM_BLOCKS and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            if (stats["num_free_blocks"] == num_blocks and stats["num_running"] == 0 and stats["num_waiting"] == 0
                     and (not tracked or stats["tracked_requests"] == 0)):
                 break
             if time.monotonic() > deadline:
