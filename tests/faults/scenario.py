@@ -53,8 +53,9 @@ def alive_idle(cluster: Cluster, dead: set[str], tracked: bool = True, num_block
                     and (not tracked or stats["tracked_requests"] == 0)):
                 break
             if time.monotonic() > deadline:
-                owners = ray.get(w.handle.__ray_call__.remote(lambda self: {k: sorted(v[1]) for k, v in
-                                                                           list(self._owner.items())[:8]}))
+                owners = ray.get(w.handle.__ray_call__.remote(lambda self: (
+                    {k: sorted(v[1]) for k, v in list(self._owner.items())[:8]},
+                    {"incoming": sorted(self.core.incoming)[:8], "parked": sorted(self.core.parked)[:8]})))
                 raise AssertionError((w.worker_id, stats, owners))
             time.sleep(0.2)
 

@@ -87,6 +87,46 @@ def test_decode_worker_hung_mid_transfer_is_replaced(ray_session, tiny_model_dir
         cluster.stop()
 
 
+def test_prefill_killed_mid_transfer_frees_the_reservation_and_re_prefills(ray_session, tiny_model_dir, reference):
+    """Prefill-0 stalls between the decode worker's reservation and the data (a fault point) and
+    is killed there: the decode worker's receive fails and frees the blocks it reserved, and the
+    streams re-prefill on prefill-1, each exactly as undisturbed."""
+    import ray
+
+    prompts, want = reference
+    cfg = config(tiny_model_dir, prefill=2, decode=1)
+    cfg.kv_transfer.transport = "collective"
+    cluster = Cluster(cfg)
+    cluster.start()
+    victim = next(w for w in cluster.workers if w.worker_id == "prefill-0")
+    decode = next(w for w in cluster.workers if w.role == "decode")
+    ray.get(victim.handle.arm_fault.remote("stall_kv_send", 100))
+
+    async def main():
+        pool = PoolClient(cluster.workers, cluster.limits, controller=cluster.controller,
+                          policy=make_policy("round_robin"))
+        await pool.start(stats_interval_s=0.2)
+        try:
+            tasks = [asyncio.create_task(collect(pool, f"t{i}", prompts[i], PARAMS[i])) for i in range(len(prompts))]
+            deadline = time.monotonic() + 60
+            while not ray.get(decode.handle.__ray_call__.remote(lambda self: len(self.core.incoming))):
+                assert time.monotonic() < deadline, "no transfer from prefill-0 reached its reservation"
+                await asyncio.sleep(0.05)
+            on_victim = sum("prefill-0" in s.workers for s in pool._streams.values())
+            ray.kill(victim.handle)
+            got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            return got, on_victim
+        finally:
+            await pool.stop()
+
+    try:
+        got, on_victim = asyncio.run(main())
+        assert on_victim >= 1 and got == want
+        alive_idle(cluster, {"prefill-0"})  # the decode worker's reservation is free again
+    finally:
+        cluster.stop()
+
+
 def test_prefill_killed_right_after_shipping_spares_the_streams(ray_session, tiny_model_dir, reference):
     """Kill the prefill worker the moment each stream has its first decode-side token: nothing
     happens to the streams (the front dropped the prefill worker at the handoff), the

@@ -11,6 +11,8 @@ import threading
 # Every point a worker consults, so arming a misspelt one fails loudly.
 FAULT_POINTS = {
     "corrupt_received_kv": "flip a byte of the first block a decode worker received, before its checksum is checked",
+    "stall_kv_send": "collective connector: once the decode worker has reserved blocks and waits for the data, "
+                     "the sender stalls for three KV timeouts (a test kills it meanwhile: death mid-transfer)",
 }
 
 

@@ -113,6 +113,11 @@ class Worker:
         self._cancelled: dict[str, float] = {}  # recently aborted ids, oldest first: late adds and KV are refused
         self._flow: dict[str, tuple[int, bool]] = {}  # backpressure state; engine thread only
         self._withdrawn: dict[str, float] = {}  # members whose sender gave up; engine thread only
+        # Reservations made for a sender that has not sent yet: (sender, request id, index, when).
+        # A sender that dies (or never sends) leaves them; set_peers and stats() free them.
+        self._reserved_by: dict[str, tuple[str, str, int, float]] = {}
+        self._receiving: set[str] = set()  # members whose data is being received now
+        self._dropped: dict[str, None] = {}  # reservations freed that way (oldest first): a late receive is refused
         # KV copies on side threads run serially: a team of their own would throttle the loop
         # thread's OpenMP waits for good (kernels.openmp). A shared-memory shipment only waits for
         # the decode worker's turn: with 2 threads, a step parking 5 requests took 3 decode turns.
@@ -152,7 +157,10 @@ class Worker:
             if replaced:
                 connector.peers_changed({k: v for k, v in new.items() if k not in replaced})
             connector.peers_changed(new)
+        gone = replaced | (set(self.peers) - set(new))
         self.peers = new
+        if gone:  # a dead sender will not fill what was reserved for it
+            self._free_reservations(gone=gone)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
                     priority: int = 0, cache_salt: str | None = None, age_s: float = 0.0,
@@ -242,6 +250,9 @@ class Worker:
         return encode_deltas(batch)
 
     def stats(self) -> dict[str, Any]:
+        # Called every health-check interval: where a sender's death went unreported (no restart),
+        # its reservations go once it could no longer be sending.
+        self._free_reservations(older_than_s=3 * self.kv_timeout_s)
         s = self.engine.stats()
         recent, self.transfer_log = self.transfer_log, []
         out = dict(s.__dict__)
@@ -393,16 +404,50 @@ class Worker:
         """A sender's set-up call for ``connector`` (join its pair group, map its cache)."""
         return self._connectors[connector].accept(peer_id, info)
 
-    def kv_reserve(self, connector: str, meta: dict[str, Any], front_id: str = "default"
-                   ) -> tuple[list[int], list[int]] | None:
+    def kv_reserve(self, connector: str, meta: dict[str, Any], front_id: str = "default",
+                   sender: str | None = None) -> tuple[list[int], list[int]] | None:
         """Allocate blocks for an arriving sample: (logical indices it needs, their physical ids),
-        or None when full now (the sender retries)."""
-        return self._connectors[connector].reserve(meta, front_id)
+        or None when full now (the sender retries). ``sender``: the worker that will send it."""
+        got = self._connectors[connector].reserve(meta, front_id)
+        if got is not None and sender is not None:
+            with self._out_cv:
+                self._reserved_by[meta["member_id"]] = (sender, meta["request_id"], int(meta["index"]),
+                                                        time.monotonic())
+        return got
 
     def kv_receive(self, connector: str, peer_id: str, member_id: str, blocks: list[int] | None,
                    payload: Any) -> int | None:
         """Take a sample's KV through ``connector`` and start decoding it; the bytes received."""
-        return self._connectors[connector].receive(peer_id, member_id, blocks, payload)
+        with self._out_cv:
+            if self._dropped.pop(member_id, None) is not None:
+                raise KVTransferError(f"the reservation of {member_id} was freed: its data came too late")
+            self._reserved_by.pop(member_id, None)
+            self._receiving.add(member_id)
+        try:
+            return self._connectors[connector].receive(peer_id, member_id, blocks, payload)
+        finally:
+            with self._out_cv:
+                self._receiving.discard(member_id)
+
+    def _free_reservations(self, gone: set[str] | None = None, older_than_s: float | None = None) -> int:
+        """Free reservations whose sender is in ``gone`` (dead, replaced) or that waited longer than
+        ``older_than_s`` for their data: no transfer will fill them. Returns how many."""
+        now = time.monotonic()
+        with self._out_cv:
+            stale = [(mid, rid, index) for mid, (sender, rid, index, at) in self._reserved_by.items()
+                     if mid not in self._receiving
+                     and ((gone is not None and sender in gone)
+                          or (older_than_s is not None and now - at > older_than_s))]
+            for mid, _, _ in stale:
+                del self._reserved_by[mid]
+                self._dropped[mid] = None
+                if len(self._dropped) > 4096:  # only a late receive can match one: old ones go
+                    del self._dropped[next(iter(self._dropped))]
+        for mid, rid, index in stale:
+            log.warning("freeing the KV reserved for %s: its sender is gone or never sent it", mid)
+            self.engine.submit(lambda e, mid=mid: e.cancel_remote(mid))
+            self.forget_sample(rid, index)
+        return len(stale)
 
     def kv_cancel(self, member_id: str, index: int | None = None) -> None:
         """The sender gave up on ``member_id`` (sample ``index``; default: read from the member id):
@@ -417,6 +462,8 @@ class Worker:
                 self._withdrawn.pop(member_id, None)  # the reservation was still here: nothing queued
 
         self.engine.call(withdraw, timeout=self.kv_timeout_s)
+        with self._out_cv:
+            self._reserved_by.pop(member_id, None)
         if index is None:
             index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
         self.forget_sample(member_id.split("#", 1)[0], index)  # it will not decode here

@@ -5,6 +5,7 @@ the decode worker reserves, then the blocks go header, verdict, data, ack (``wor
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from kernels import openmp
@@ -29,11 +30,14 @@ class CollectiveConnector(KVConnector):
     # ------------------------------------------------------------------ prefill side
     def send(self, peer_id: str, peer: Any, shipment: KVShipment) -> int:
         meta, host = shipment.meta, self.host
-        needed, dst = self.until_room(meta, lambda front: peer.kv_reserve.remote(self.name, meta.to_dict(), front))
+        needed, dst = self.until_room(meta, lambda front: peer.kv_reserve.remote(self.name, meta.to_dict(), front,
+                                                                                 host.worker_id))
         blocks = [shipment.table[i] for i in needed]
         with self._lock(peer_id):
             group = self._pair(peer_id, peer)
             ref = peer.kv_receive.remote(self.name, host.worker_id, shipment.member_id, dst, None)
+            if host.faults.fire("stall_kv_send"):
+                time.sleep(3 * host.kv_timeout_s)
             try:
                 # per-layer sends overlap the next gather with the wire; worth it past a few MB
                 nbytes = host.transfer.send_blocks(group, blocks, transfer_id=transfer_key(shipment.member_id),

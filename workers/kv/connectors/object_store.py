@@ -17,7 +17,8 @@ class ObjectStoreConnector(KVConnector):
 
     def send(self, peer_id: str, peer: Any, shipment: KVShipment) -> int:
         meta, host = shipment.meta, self.host
-        needed, dst = self.until_room(meta, lambda front: peer.kv_reserve.remote(self.name, meta.to_dict(), front))
+        needed, dst = self.until_room(meta, lambda front: peer.kv_reserve.remote(self.name, meta.to_dict(), front,
+                                                                                 self.host.worker_id))
         payload = host.transfer.pack_blocks([shipment.table[i] for i in needed])
         ray_get(peer.kv_receive.remote(self.name, host.worker_id, shipment.member_id, dst, payload),
                 host.kv_timeout_s)
