@@ -193,7 +193,7 @@ class PoolClient:
             decision, hashes = self._route(prompt_token_ids, cache_salt, params)
             if self.admission is not None:
                 decision, hashes, params = await self._admit(wire_id, prompt_token_ids, cache_salt, params,
-                                                             priority, ticket, decision, hashes)
+                                                             priority, ticket, decision, hashes, request_id=request_id)
         except BaseException:
             self._streams.pop(request_id, None)
             if self.admission is not None:
@@ -407,10 +407,12 @@ class PoolClient:
         return count
 
     async def _admit(self, wire_id: str, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
-                     priority: int, ticket: Any, decision: Decision, hashes: list[bytes], charge: bool = True
-                     ) -> tuple[Decision, list[bytes], SamplingParams]:
+                     priority: int, ticket: Any, decision: Decision, hashes: list[bytes], charge: bool = True,
+                     request_id: str | None = None) -> tuple[Decision, list[bytes], SamplingParams]:
         """Stage 2: reserve the request's KV on the worker that keeps it; re-route when the
-        reservation landed elsewhere or waited (the first choice is stale by then)."""
+        reservation landed elsewhere or waited (the first choice is stale by then). A degraded
+        reservation caps ``max_tokens``, or ``n`` (first admission only: a migration never drops
+        samples a client already reads), and the ticket says so."""
         from cluster.admission.kv import KVDemand
 
         role = "colocated" if self.colocated else "decode"
@@ -425,7 +427,13 @@ class PoolClient:
         held = await self.admission.reserve(
             demand, lambda: [w.worker_id for w in self.workers.values() if w.alive and w.role == role],
             lambda: keeper.worker_id if keeper.alive else None)
-        if held.degraded:
+        if held.degraded and held.n is not None:
+            if charge:
+                params = dataclasses.replace(params, n=held.n)
+                if ticket is not None:
+                    ticket.degraded["n"] = held.n
+                    ticket.granted_n[request_id or wire_id] = held.n
+        elif held.degraded:
             params = dataclasses.replace(params, max_tokens=held.max_tokens)
             if ticket is not None:
                 ticket.degraded["max_tokens"] = held.max_tokens

@@ -46,6 +46,7 @@ from router.protocol import (
 )
 from router.server import ClientGone, EventStreamResponse, run_until_disconnected
 from router.stream import SSE_DONE, Choices, EngineJob, EngineRun, LogprobFormatter, SampleState, sse
+from router.tool_stream import ToolCallStreamer
 from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError, OverloadedError
 from workers.sampling.structured import DEFAULT_BACKEND, StructuredSpec, make_backend
 from workers.text.tokenizer import Tokenizer
@@ -236,6 +237,7 @@ class OpenAIServing:
         handed_off = False
         try:
             await run_until_disconnected(http.receive, run.start(call.jobs))
+            choices.grant(getattr(call.ticket, "granted_n", None) or {})
             headers = _degraded_headers(call.ticket)
             if call.body.stream:
                 events = self._chat_events if call.kind == "chat" else self._completion_events
@@ -320,16 +322,16 @@ class OpenAIServing:
                                       usage=usage)
             return sse(msg.model_dump_json(exclude=None if call.body.include_usage else {"usage"}))
 
+        streamers = {s.index: ToolCallStreamer() for s in choices.samples} if call.tool_mode else {}
         try:
             for s in choices.samples:
                 yield chunk([ChatChunkChoice(index=s.index, delta=DeltaMessage(role="assistant", content=""))])
             async for s, text in self._updates(choices, run):
                 if call.tool_mode:
-                    # Whether the output is a call is known at its end: it goes out then, as content
-                    # or as tool_calls deltas (the name first, then the arguments).
-                    if s.done:
-                        for item in self._tool_chunks(call, s):
-                            yield chunk([item])
+                    # Calls stream as the model writes them: the name once it is complete, then the
+                    # arguments' text; what lies outside the blocks streams as content.
+                    for item in self._tool_chunks(call, s, streamers[s.index], text):
+                        yield chunk([item])
                     continue
                 if not text and not s.done:
                     continue  # text held back; its tokens' logprobs go with the next chunk
@@ -346,24 +348,31 @@ class OpenAIServing:
             call.end(200, choices, None if choices.done else "abort")
         yield SSE_DONE
 
-    def _tool_chunks(self, call: _Call, s: SampleState) -> list[ChatChunkChoice]:
-        ids, lps, tops = s.take_tokens()
-        content, calls = tools.parse(s.text)
-        finish = _tool_finish(s.finish_reason, calls)
-        if not calls:
-            return [ChatChunkChoice(index=s.index, delta=DeltaMessage(content=s.text or None),
-                                    logprobs=self._chat_logprobs(call, ids, lps, tops),
-                                    finish_reason=finish, stop_reason=s.stop_reason)]
+    def _tool_chunks(self, call: _Call, s: SampleState, streamer: ToolCallStreamer,
+                     text: str) -> list[ChatChunkChoice]:
+        """The chunks for a sample's new ``text`` (and, once it is done, its end); the tokens'
+        logprobs ride on the first chunk that goes out."""
+        events = streamer.feed(text or "")
+        if s.done:
+            events += streamer.finish()
         out = []
-        if content:
-            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(content=content)))
-        for i, c in enumerate(calls):
-            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(tool_calls=[DeltaToolCall(
-                index=i, id=c.id, type="function", function=DeltaFunctionCall(name=c.name, arguments=""))])))
-            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(tool_calls=[DeltaToolCall(
-                index=i, function=DeltaFunctionCall(arguments=c.arguments))])))
-        out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(), finish_reason=finish,
-                                   stop_reason=s.stop_reason))
+        for e in events:
+            if e.content is not None:
+                delta = DeltaMessage(content=e.content)
+            elif e.name is not None:
+                delta = DeltaMessage(tool_calls=[DeltaToolCall(index=e.index, id=e.id, type="function",
+                                                               function=DeltaFunctionCall(name=e.name, arguments=""))])
+            else:
+                delta = DeltaMessage(tool_calls=[DeltaToolCall(index=e.index,
+                                                               function=DeltaFunctionCall(arguments=e.arguments))])
+            out.append(ChatChunkChoice(index=s.index, delta=delta))
+        if s.done:
+            finish = "tool_calls" if streamer.calls and s.finish_reason == "stop" else s.finish_reason
+            out.append(ChatChunkChoice(index=s.index, delta=DeltaMessage(), finish_reason=finish,
+                                       stop_reason=s.stop_reason))
+        if out and call.logprobs is not None:
+            ids, lps, tops = s.take_tokens()
+            out[0].logprobs = self._chat_logprobs(call, ids, lps, tops)
         return out
 
     async def _completion_events(self, call: _Call, choices: Choices, run: EngineRun) -> AsyncIterator[str]:

@@ -214,12 +214,22 @@ class Choices:
         self.client = client
         self.jobs = jobs
         self.samples: list[SampleState] = []
-        self._base: dict[str, tuple[int, int]] = {}  # request id -> (first choice, n)
+        self._by_key: dict[tuple[str, int], SampleState] = {}  # (request id, sample index) -> its choice
         self._cached: dict[str, int] = {}
         for job in jobs:
             base = len(self.samples)
-            self._base[job.request_id] = (base, job.params.n)
-            self.samples.extend(SampleState(tokenizer, job, base + i) for i in range(job.params.n))
+            for i in range(job.params.n):
+                sample = SampleState(tokenizer, job, base + i)
+                self.samples.append(sample)
+                self._by_key[(job.request_id, i)] = sample
+
+    def grant(self, granted_n: dict[str, int]) -> None:
+        """Admission ran fewer samples than asked for these requests (degraded ``n``): their other
+        choices are not in the response (the rest keep their indices)."""
+        for (rid, i), sample in list(self._by_key.items()):
+            if i >= granted_n.get(rid, i + 1):
+                del self._by_key[(rid, i)]
+                self.samples.remove(sample)
 
     @property
     def done(self) -> bool:
@@ -227,11 +237,10 @@ class Choices:
 
     def apply(self, delta: TokenDelta) -> tuple[SampleState, str] | None:
         """Route a delta to its choice; on a stop-string match, stop that sample in the engine."""
-        base, n = self._base.get(delta.request_id, (0, 0))
-        if not 0 <= delta.index < n:
+        sample = self._by_key.get((delta.request_id, delta.index))
+        if sample is None:
             return None
         self._cached[delta.request_id] = max(self._cached.get(delta.request_id, 0), delta.num_cached_tokens)
-        sample = self.samples[base + delta.index]
         was_done = sample.done
         text, stop = sample.update(delta)
         if stop is not None:
@@ -241,13 +250,11 @@ class Choices:
     def abort_unfinished(self) -> list[tuple[SampleState, str]]:
         """The engine streams ended early: finish what is left as "abort", flushing held text."""
         out = []
-        for job in self.jobs:
-            base, n = self._base[job.request_id]
-            for i in range(n):
-                if not self.samples[base + i].done:
-                    result = self.apply(TokenDelta(job.request_id, i, [], finish_reason="abort"))
-                    if result is not None:
-                        out.append(result)
+        for (rid, i), sample in list(self._by_key.items()):
+            if not sample.done:
+                result = self.apply(TokenDelta(rid, i, [], finish_reason="abort"))
+                if result is not None:
+                    out.append(result)
         return out
 
     def usage(self) -> UsageInfo:

@@ -85,6 +85,7 @@ class Ticket:
     queue_time_s: float = 0.0
     first_token_at: float | None = None
     degraded: dict[str, int] = field(default_factory=dict)  # field -> the value it was capped to
+    granted_n: dict[str, int] = field(default_factory=dict)  # engine request id -> samples run, where fewer than n
     finished: bool = False
     detached: bool = False  # closed by a recorded (idempotent) run, not by the request's handler
 

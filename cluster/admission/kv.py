@@ -56,6 +56,7 @@ class Reservation:
     max_tokens: int
     degraded: bool = False
     queued_s: float = 0.0
+    n: int | None = None  # set when degraded to fewer samples than asked
 
 
 @dataclass
@@ -69,11 +70,13 @@ class Fit:
 
 @dataclass
 class Outcome:
-    """A policy's answer: admit on ``worker_id`` (maybe with ``max_tokens`` capped), queue, or reject."""
+    """A policy's answer: admit on ``worker_id`` (maybe with ``max_tokens`` or ``n`` capped), queue,
+    or reject."""
 
     action: str  # admit | queue | reject
     worker_id: str | None = None
     max_tokens: int | None = None  # set when degraded
+    n: int | None = None  # set when degraded
 
 
 class AdmissionPolicy:
@@ -81,7 +84,7 @@ class AdmissionPolicy:
 
     name = ""
 
-    def decide(self, demand: KVDemand, fits: list[Fit], need: Callable[[int], int], preferred: str | None,
+    def decide(self, demand: KVDemand, fits: list[Fit], need: Callable[..., int], preferred: str | None,
                tenant_ok: bool) -> Outcome:
         raise NotImplementedError
 
@@ -101,12 +104,13 @@ def make_admission_policy(name: str) -> AdmissionPolicy:
 
 @register_admission_policy
 class ReservePolicy(AdmissionPolicy):
-    """Admit where the worst case fits (the routed worker first), else degrade if allowed, else queue."""
+    """Admit where the worst case fits (the routed worker first), else degrade if allowed (fewer
+    samples of ``n``, else a smaller ``max_tokens``), else queue."""
 
     name = "reserve"
     min_degraded_tokens = 16  # capping below this helps nobody: queue instead
 
-    def decide(self, demand: KVDemand, fits: list[Fit], need: Callable[[int], int], preferred: str | None,
+    def decide(self, demand: KVDemand, fits: list[Fit], need: Callable[..., int], preferred: str | None,
                tenant_ok: bool) -> Outcome:
         if not tenant_ok:
             return Outcome("queue")
@@ -117,6 +121,11 @@ class ReservePolicy(AdmissionPolicy):
                 return Outcome("admit", f.worker_id)
         if demand.tenant.allow_degrade and ordered:
             best = max(ordered, key=lambda f: f.free_blocks)
+            # Fewer whole answers before shorter ones: each sample that runs gets its full budget.
+            samples = next((k for k in range(demand.n - 1, 0, -1)
+                            if need(demand.max_tokens, k) <= best.free_blocks), None)
+            if samples is not None:
+                return Outcome("admit", best.worker_id, n=samples)
             tokens = _tokens_fitting(best.free_blocks, demand.max_tokens, need)
             if tokens >= min(self.min_degraded_tokens, demand.max_tokens):
                 return Outcome("admit", best.worker_id, max_tokens=tokens)
@@ -130,7 +139,7 @@ class UnlimitedPolicy(AdmissionPolicy):
 
     name = "unlimited"
 
-    def decide(self, demand: KVDemand, fits: list[Fit], need: Callable[[int], int], preferred: str | None,
+    def decide(self, demand: KVDemand, fits: list[Fit], need: Callable[..., int], preferred: str | None,
                tenant_ok: bool) -> Outcome:
         return Outcome("admit", preferred or (fits[0].worker_id if fits else None))
 
@@ -190,14 +199,16 @@ class KVAdmission:
         self._released = 0
 
     # ------------------------------------------------------------------ sizing
-    def blocks_for(self, demand: KVDemand, max_tokens: int | None = None) -> int:
-        """The worst-case blocks of ``demand`` with an output budget of ``max_tokens`` per sample."""
+    def blocks_for(self, demand: KVDemand, max_tokens: int | None = None, n: int | None = None) -> int:
+        """The worst-case blocks of ``demand`` with an output budget of ``max_tokens`` per sample
+        (and ``n`` samples, default the demand's)."""
         out = max_tokens if max_tokens is not None else demand.max_tokens
+        n = n if n is not None else demand.n
         out = math.ceil(out * self.reserve_fraction)
         bs = self.block_size
         first = math.ceil((demand.prompt_tokens + out) / bs)
         # Further samples share the prompt's full blocks; each needs its own tail and output.
-        extra = (demand.n - 1) * (math.ceil((demand.prompt_tokens % bs + out) / bs))
+        extra = (n - 1) * (math.ceil((demand.prompt_tokens % bs + out) / bs))
         return first + extra
 
     # ------------------------------------------------------------------ reserve / release
@@ -266,7 +277,7 @@ class KVAdmission:
             heapq.heappop(self._waiters)
             # Reserve now, before the waiter's task runs, so a second wake cannot give the blocks twice.
             self._hold(head.demand, outcome, 0.0)
-            head.future.set_result(Outcome("held", outcome.worker_id, outcome.max_tokens))
+            head.future.set_result(Outcome("held", outcome.worker_id, outcome.max_tokens, outcome.n))
         self._report_queue()
 
     def fail_waiting(self, error: BaseException) -> int:
@@ -292,16 +303,18 @@ class KVAdmission:
                      or self._tenant_admitted.get(t.name, 0) < max(1, int(t.max_concurrent_requests * self._share)))
         if t.kv_block_budget is not None and self._tenant_admitted.get(t.name, 0) > 0:
             tenant_ok = tenant_ok and self._tenant_blocks.get(t.name, 0) + blocks <= t.kv_block_budget * self._share
-        return self.policy.decide(demand, fits, lambda out: self.blocks_for(demand, out), preferred, tenant_ok)
+        return self.policy.decide(demand, fits, lambda out, n=None: self.blocks_for(demand, out, n), preferred,
+                                  tenant_ok)
 
     def _hold(self, demand: KVDemand, outcome: Outcome, waited: float) -> Reservation:
         if outcome.action == "held":  # reserved by wake() already
             worker_id, blocks, _ = self._held[demand.request_id]
             max_tokens = outcome.max_tokens or demand.max_tokens
-            return Reservation(worker_id, blocks, max_tokens, outcome.max_tokens is not None, waited)
+            degraded = outcome.max_tokens is not None or outcome.n is not None
+            return Reservation(worker_id, blocks, max_tokens, degraded, waited, outcome.n)
         assert outcome.worker_id is not None
         max_tokens = outcome.max_tokens if outcome.max_tokens is not None else demand.max_tokens
-        blocks = self.blocks_for(demand, max_tokens)
+        blocks = self.blocks_for(demand, max_tokens, outcome.n)
         ledger = self.ledgers[outcome.worker_id]
         # Over capacity only when admitted alone in an empty ledger, or by a policy that oversubscribes.
         ledger.reserve(demand.request_id, blocks, force=True)
@@ -310,7 +323,8 @@ class KVAdmission:
         self._tenant_blocks[name] = self._tenant_blocks.get(name, 0) + blocks
         self._tenant_admitted[name] = self._tenant_admitted.get(name, 0) + 1
         self._report_ledger(outcome.worker_id)
-        return Reservation(outcome.worker_id, blocks, max_tokens, outcome.max_tokens is not None, waited)
+        degraded = outcome.max_tokens is not None or outcome.n is not None
+        return Reservation(outcome.worker_id, blocks, max_tokens, degraded, waited, outcome.n)
 
     # ------------------------------------------------------------------ drain rate and metrics
     def retry_after_s(self, demand: KVDemand) -> float:

@@ -213,6 +213,33 @@ def test_degrade_caps_max_tokens_for_a_tenant_that_allows_it(served):
     _wait_free(served)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_degrade_runs_fewer_samples_of_n_for_a_tenant_that_allows_it(served, stream):
+    from cluster.admission.kv import KVDemand
+    from cluster.admission.tenants import Tenant
+
+    prompt_tokens = _post(served.url, "flex", _body(max_tokens=1)).json()["usage"]["prompt_tokens"]
+    kv = served.dep.pool.admission
+    room = kv.blocks_for(KVDemand("probe", Tenant("flex"), prompt_tokens, 32, 2, 0))  # two whole samples
+    held = Held(served, NUM_BLOCKS - room)
+    try:
+        r = _post(served.url, "flex", _body(max_tokens=32, n=4, stream=stream))
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Baton-Degraded"] == "n=2"
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            finished = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
+            assert finished == {0: "length", 1: "length"}
+        else:
+            body = r.json()
+            assert [c["index"] for c in body["choices"]] == [0, 1]
+            assert body["usage"]["completion_tokens"] == 2 * 32
+    finally:
+        held.close()
+    _wait_free(served)
+
+
 def test_tenants_never_see_each_others_cache(served):
     prompt = "a shared system prompt that spans several blocks of the cache, " * 3
     first = _post(served.url, "a", _body(max_tokens=2, prompt=prompt)).json()["usage"]

@@ -85,6 +85,23 @@ def test_no_live_worker_ends_queued_with_503():
     asyncio.run(run())
 
 
+def test_degrade_runs_fewer_whole_samples_before_shorter_ones():
+    async def run() -> None:
+        flexible = Tenant("f", allow_degrade=True)
+        kv = KVAdmission({"w": 8}, block_size=16, queue_timeout_s=0.05)
+        await kv.reserve(demand("x", 16, 48), lambda: ["w"], lambda: "w")  # 4 of 8 blocks
+        # n=4 of prompt 16 + 16 out: 2 blocks for the first, 1 per further sample -> 5; 4 fit: n=3.
+        r = await kv.reserve(demand("f1", 16, 16, n=4, tenant=flexible), lambda: ["w"], lambda: "w")
+        assert r.degraded and (r.n, r.max_tokens, r.blocks) == (3, 16, 4)
+        assert kv.ledgers["w"].available_blocks == 0
+        kv.release("f1")
+        # Not even one whole sample fits: the output budget is capped instead, n kept.
+        r = await kv.reserve(demand("f2", 16, 100, n=2, tenant=flexible), lambda: ["w"], lambda: "w")
+        assert r.degraded and r.n is None and r.max_tokens < 100
+
+    asyncio.run(run())
+
+
 def test_degrade_caps_max_tokens_only_for_tenants_that_allow_it():
     async def run() -> None:
         flexible = Tenant("f", allow_degrade=True)
