@@ -74,6 +74,11 @@ def test_a_call_streams_as_tool_call_deltas_and_the_sdk_reassembles_it(server):
     assert pieces[0].id and pieces[0].function.name == "get_weather"
     arguments = "".join(p.function.arguments or "" for p in pieces)
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    # As the model writes it: the arguments come in several pieces, not in one at the end.
+    assert sum(bool(p.function.arguments) for p in pieces) >= 3, pieces
+    whole = sdk.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                        temperature=0, max_tokens=120)
+    assert json.loads(whole.choices[0].message.tool_calls[0].function.arguments) == json.loads(arguments)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
         "tool_calls"]
 
