@@ -60,6 +60,26 @@ def test_streaming_chat_is_identical_disaggregated_and_colocated(servers):
     assert texts["disagg"] == texts["colocated"]
 
 
+def test_constrained_chat_is_identical_disaggregated_and_colocated(servers):
+    """The grammar's state crosses the prefill -> decode hop: over HTTP, both layouts write the
+    same schema-valid JSON, streamed and whole."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}}
+    texts = {}
+    for name, server in servers.items():
+        chunks = list(_chat(server.url, stream=True, temperature=0, max_tokens=60, response_format=fmt))
+        texts[name] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        whole = _chat(server.url, temperature=0, max_tokens=60, response_format=fmt)
+        assert whole.choices[0].message.content == texts[name]
+    assert texts["disagg"] == texts["colocated"]
+    value = json.loads(texts["disagg"])
+    assert set(value) == {"city", "days"} and 1 <= value["days"] <= 9
+
+
 def test_metrics_and_health(servers):
     url = servers["disagg"].url
     _chat(url, temperature=0, max_tokens=4)

@@ -29,6 +29,17 @@ def config(model_dir, **pools) -> ClusterConfig:
     })
 
 
+def free_port() -> int:
+    """A loopback port nobody holds now, for a deployment's HTTP fronts."""
+    from router.server import bind_socket
+
+    probe = bind_socket("127.0.0.1", 0)
+    try:
+        return probe.getsockname()[1]
+    finally:
+        probe.close()
+
+
 def undisturbed(model_dir) -> tuple[list[list[int]], list[dict[int, list[int]]]]:
     """The prompts, and the undisturbed run of every stream: the offline engine's tokens per sample."""
     llm = LLM(model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from cluster.config import ClusterConfig
-from tests.faults.scenario import NUM_BLOCKS, alive_idle
+from tests.faults.scenario import NUM_BLOCKS, alive_idle, free_port
 
 
 def test_killed_front_other_front_keeps_serving(ray_session, tiny_model_dir, tmp_path):
@@ -18,16 +18,13 @@ def test_killed_front_other_front_keeps_serving(ray_session, tiny_model_dir, tmp
 
     from cluster.http_actor import start_fronts, stop_fronts
     from cluster.launcher import Cluster
-    from router.server import bind_socket
 
     config = ClusterConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS,
                    "threads_per_worker": 1},
         "pools": {"colocated": 1}, "server": {"model_name": "tiny"},
         "usage": {"path": str(tmp_path / "usage.sqlite3")}})
-    probe = bind_socket("127.0.0.1", 0)
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     cluster = Cluster(config)
     cluster.start()
     fronts = []

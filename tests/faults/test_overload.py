@@ -11,7 +11,7 @@ import time
 import httpx
 
 from cluster.config import ClusterConfig
-from tests.faults.scenario import alive_idle
+from tests.faults.scenario import alive_idle, free_port
 
 NUM_BLOCKS = 256  # room for every slot's whole request: the limit is compute, not KV
 OVERLOAD_S = float(os.environ.get("BATON_OVERLOAD_S", "60"))  # the drill; the suite's longest scenario
@@ -71,15 +71,12 @@ async def _open_loop(client: httpx.AsyncClient, url: str, rate: float, seconds: 
 def test_three_times_overload_then_back_to_baseline(ray_session, tiny_model_dir):
     from cluster.http_actor import start_fronts, stop_fronts
     from cluster.launcher import Cluster
-    from router.server import bind_socket
 
     config = ClusterConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS,
                    "threads_per_worker": 1, "max_num_seqs": SLOTS},
         "pools": {"prefill": 1, "decode": 1}, "server": {"model_name": "tiny", "max_queued_requests": 16}})
-    probe = bind_socket("127.0.0.1", 0)
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     cluster = Cluster(config)
     cluster.start()
     fronts = []

@@ -10,7 +10,7 @@ import threading
 import httpx
 
 from cluster.config import ClusterConfig
-from tests.faults.scenario import NUM_BLOCKS, alive_idle
+from tests.faults.scenario import NUM_BLOCKS, alive_idle, free_port
 
 MAX_TOKENS = 48
 BODIES = [  # greedy, and seeded sampling that must draw the same numbers after the move
@@ -51,7 +51,6 @@ def test_decode_killed_mid_sse_stream_usage_counted_once(ray_session, tiny_model
     from cluster.http_actor import start_fronts, stop_fronts
     from cluster.launcher import Cluster
     from cluster.usage.sqlite_store import SQLiteUsageStore
-    from router.server import bind_socket
 
     usage_path = tmp_path / "usage.sqlite3"
     config = ClusterConfig.model_validate({
@@ -59,9 +58,7 @@ def test_decode_killed_mid_sse_stream_usage_counted_once(ray_session, tiny_model
                    "threads_per_worker": 1},
         "pools": {"prefill": 1, "decode": 2}, "server": {"model_name": "tiny"}, "kv_transfer": {"timeout_s": 10},
         "usage": {"path": str(usage_path)}})
-    probe = bind_socket("127.0.0.1", 0)
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     cluster = Cluster(config)
     cluster.start()
     fronts = []

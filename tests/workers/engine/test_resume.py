@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -72,3 +74,24 @@ def test_a_resume_that_cannot_continue_is_refused_with_nothing_queued(llm):
         engine.add_request("full", PROMPT, SamplingParams(max_tokens=3), resume=SampleResume(0, [1, 2, 3]))
     assert info.value.param == "max_tokens"
     assert not engine.has_unfinished_requests() and "bad-n" not in engine.groups and "full" not in engine.groups
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("where", ["first", "middle"])
+def test_a_constrained_sample_resumes_inside_its_grammar(llm, kind, where):
+    """A migrated constrained sample: its matcher is rebuilt from the emitted tokens, so the rest
+    is what the undisturbed run wrote (and still follows the grammar)."""
+    from workers.sampling.structured.spec import StructuredSpec
+
+    pattern = "(ab|c[de]){8,14}!"
+    spec = StructuredSpec.regex(pattern).to_dict()
+
+    def params():
+        return SamplingParams(max_tokens=24, structured_outputs=spec, **PARAMS[kind])
+
+    whole = _run(llm.engine, f"cwhole-{kind}-{where}", PROMPT, params())[0]
+    cut = 1 if where == "first" else len(whole) // 2
+    assert 0 < cut < len(whole)
+    rest = _run(llm.engine, f"crest-{kind}-{where}", PROMPT, params(), resume=SampleResume(0, whole[:cut]))[0]
+    assert whole[:cut] + rest == whole
+    assert re.fullmatch(pattern, llm.tokenizer.decode(whole)), llm.tokenizer.decode(whole)
