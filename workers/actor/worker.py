@@ -419,7 +419,8 @@ class Worker:
                    payload: Any) -> int | None:
         """Take a sample's KV through ``connector`` and start decoding it; the bytes received."""
         with self._out_cv:
-            if self._dropped.pop(member_id, None) is not None:
+            if member_id in self._dropped:
+                del self._dropped[member_id]
                 raise KVTransferError(f"the reservation of {member_id} was freed: its data came too late")
             self._reserved_by.pop(member_id, None)
             self._receiving.add(member_id)

@@ -193,3 +193,51 @@ def test_listeners_bind_the_address_ray_knows_the_node_by(monkeypatch):
     assert node_address() == "198.18.0.7"
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert node_address() == "127.0.0.1"
+
+
+def _wait_free(worker: Worker, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker.stats()
+        if stats["num_free_blocks"] == NUM_BLOCKS and stats["tracked_requests"] == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["sender replaced", "never sent"])
+def test_a_reservation_whose_sender_is_gone_is_freed_and_a_late_receive_refused(tiny_model_dir, how):
+    """A prefill worker that reserved blocks here and died before sending: set_peers (its restart)
+    frees them at once, and the periodic stats() call frees one that waited 3 KV timeouts."""
+    _, _, meta, _ = _parked(tiny_model_dir)
+    worker = Worker("decode-0", "decode", {"model": str(tiny_model_dir), "dtype": "float32", "block_size": 8,
+                                           "num_kv_blocks": NUM_BLOCKS}, kv_timeout_s=0.2)
+    try:
+        first, restarted = object(), object()
+        worker.set_peers({"prefill-0": first})
+        got = worker.kv_reserve("collective", meta.to_dict(), "f", sender="prefill-0")
+        assert got is not None and worker.stats()["num_free_blocks"] < NUM_BLOCKS
+        if how == "sender replaced":
+            worker.set_peers({"prefill-0": restarted})
+        else:
+            time.sleep(3 * 0.2 + 0.1)  # the next stats() call sweeps it
+        _wait_free(worker)
+        with pytest.raises(KVTransferError, match="freed"):
+            worker.kv_receive("collective", "prefill-0", meta.member_id, [0], None)
+    finally:
+        worker.shutdown()
+
+
+def test_a_reservation_with_a_live_sender_is_kept(tiny_model_dir):
+    _, _, meta, _ = _parked(tiny_model_dir)
+    worker = _decode_worker(tiny_model_dir)
+    try:
+        peer = object()
+        worker.set_peers({"prefill-0": peer})
+        assert worker.kv_reserve("collective", meta.to_dict(), "f", sender="prefill-0") is not None
+        worker.set_peers({"prefill-0": peer, "prefill-1": object()})  # another peer came: nothing changes
+        assert worker.stats()["num_free_blocks"] < NUM_BLOCKS
+        worker.kv_cancel(meta.member_id, meta.index)  # the sender gave up: freed by the usual path
+        _wait_free(worker)
+    finally:
+        worker.shutdown()
