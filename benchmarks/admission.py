@@ -208,7 +208,7 @@ def part_stage2(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     server = ServerThread(dep.app).start()
     kv = dep.pool.admission
     on, off = [], []
-    prompt = "Summarise the plot of a novel about a lighthouse keeper in two sentences. " * 2
+    prompt = args.stage2_prompt or "Summarise the plot of a novel about a lighthouse keeper in two sentences. " * 2
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -226,7 +226,10 @@ def part_stage2(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         server.stop()
         dep.stop()
-    return {"rounds": args.stage2_rounds, "ttft_with_ms": {"p50": pct(on, 50) * 1e3, "p90": pct(on, 90) * 1e3},
+    diffs = [a - b for a, b in zip(on, off)]
+    return {"rounds": args.stage2_rounds, "prompt": prompt,
+            "paired_difference_stderr_ms": statistics.stdev(diffs) / len(diffs) ** 0.5 * 1e3,
+            "ttft_with_ms": {"p50": pct(on, 50) * 1e3, "p90": pct(on, 90) * 1e3},
             "ttft_without_ms": {"p50": pct(off, 50) * 1e3, "p90": pct(off, 90) * 1e3},
             "overhead_p50_ms": (statistics.median(on) - statistics.median(off)) * 1e3,
             "paired_difference_median_ms": statistics.median(a - b for a, b in zip(on, off)) * 1e3,
@@ -425,6 +428,8 @@ def main() -> int:
     parser.add_argument("--reject-seconds", type=float, default=5.0)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--stage2-rounds", type=int, default=60)
+    parser.add_argument("--stage2-prompt", default=None,
+                        help="the prompt of stage 2's TTFT pairs (a short one makes TTFT, and so its noise, small)")
     parser.add_argument("--tenant-rate", type=float, default=2.0)
     parser.add_argument("--flood-seconds", type=float, default=20.0)
     parser.add_argument("--flood-output-tokens", type=int, default=16)
