@@ -35,7 +35,7 @@ class Member:
     misses: int = 0
     last_seen: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
-    incarnation: int = 0  # restarts so far: 0 is the worker the deployment started
+    incarnation: int = 0  # 0: the worker the deployment started; after a restart, its millisecond stamp
     restarts: int = 0
     restarting: bool = False
     restart_at: float | None = None  # when the next restart is due (monotonic), if one is

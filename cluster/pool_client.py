@@ -389,9 +389,7 @@ class PoolClient:
     def _end_here(self, stream: _Stream, reason: str) -> None:
         """Give each unfinished sample its final delta from this front; the placement's later
         deltas are dropped."""
-        for wire in set(stream.wires.values()):
-            self._by_wire.pop(wire, None)
-        stream.workers = set()
+        self._detach(stream)
         for i in range(stream.n):
             if i not in stream.finished:
                 stream.queue.put_nowait(TokenDelta(stream.wire_id, i, [], finish_reason="abort", stop_reason=reason))
@@ -663,16 +661,19 @@ class PoolClient:
             if w.worker_id in stream.workers:
                 self._lose(stream, w.worker_id, exc)
 
+    def _detach(self, stream: _Stream) -> None:
+        """Nothing more of the stream's current placement reaches its caller."""
+        for wire in set(stream.wires.values()):
+            self._by_wire.pop(wire, None)
+        stream.workers = set()
+
     def _lose(self, stream: _Stream, worker_id: str, exc: BaseException, dead: bool = True,
               suspects: tuple[str, ...] = ()) -> None:
         """A worker of the stream's placement is gone (or, ``dead`` False, failed the request):
         end the placement and queue a migration (or, when they ran out, the error) behind every
         delta the caller is still to get. ``suspects`` are probed before the migration routes."""
         self._abort_stream(stream, stream.workers - {worker_id} if dead else None)
-        # Nothing more of this placement reaches the caller: what it has is where samples resume.
-        for wire in set(stream.wires.values()):
-            self._by_wire.pop(wire, None)
-        stream.workers = set()
+        self._detach(stream)  # what the caller has is where samples resume
         if stream.migrations < self.max_migrations:
             stream.queue.put_nowait(_Migrate(worker_id, exc, suspects))
         else:

@@ -38,7 +38,6 @@ class ToolCallStreamer:
     def __init__(self) -> None:
         self._buf = ""  # text not yet turned into events
         self._mode = "text"  # text | head | args | tail
-        self._raw_block = ""  # the block's text since OPEN, for a block that ends as content
         self.calls = 0  # call headers sent
         self._depth = 0  # the arguments value's nesting, strings skipped
         self._in_string = False
@@ -60,7 +59,7 @@ class ToolCallStreamer:
         if self._mode == "text" and self._buf:
             out.append(ToolEvent(content=self._buf))
         elif self._mode == "head":
-            out.append(ToolEvent(content=OPEN + self._raw_block + self._buf))
+            out.append(ToolEvent(content=OPEN + self._buf))  # a head never completed: what it was
         self._buf = ""
         return out
 
@@ -70,7 +69,7 @@ class ToolCallStreamer:
         if at >= 0:
             if at:
                 out.append(ToolEvent(content=self._buf[:at]))
-            self._buf, self._mode, self._raw_block = self._buf[at + len(OPEN):], "head", ""
+            self._buf, self._mode = self._buf[at + len(OPEN):], "head"
             return
         keep = _partial_suffix(self._buf, OPEN)
         if len(self._buf) > keep:
@@ -85,7 +84,6 @@ class ToolCallStreamer:
             out.append(ToolEvent(index=self.calls, id=f"call_{uuid.uuid4().hex[:24]}",
                                  name=json.loads(f'"{m.group(1)}"')))
             self.calls += 1
-            self._raw_block = self._buf[:m.end()]
             self._buf, self._mode = self._buf[m.end():], "args"
             self._depth, self._in_string, self._escape = 0, False, False
             return

@@ -195,7 +195,7 @@ class Worker:
             except BatonError as exc:
                 log.warning("request %s rejected by the engine: %s", request_id, exc)
                 self._emit([TokenDelta(request_id, i, [], finish_reason="abort", stop_reason=str(exc))
-                        for i in indices])
+                            for i in indices])
 
         self.engine.submit(add)
 
@@ -430,9 +430,9 @@ class Worker:
             with self._out_cv:
                 self._receiving.discard(member_id)
 
-    def _free_reservations(self, gone: set[str] | None = None, older_than_s: float | None = None) -> int:
+    def _free_reservations(self, gone: set[str] | None = None, older_than_s: float | None = None) -> None:
         """Free reservations whose sender is in ``gone`` (dead, replaced) or that waited longer than
-        ``older_than_s`` for their data: no transfer will fill them. Returns how many."""
+        ``older_than_s`` for their data: no transfer will fill them."""
         now = time.monotonic()
         with self._out_cv:
             stale = [(mid, rid, index) for mid, (sender, rid, index, at) in self._reserved_by.items()
@@ -448,11 +448,9 @@ class Worker:
             log.warning("freeing the KV reserved for %s: its sender is gone or never sent it", mid)
             self.engine.submit(lambda e, mid=mid: e.cancel_remote(mid))
             self.forget_sample(rid, index)
-        return len(stale)
 
-    def kv_cancel(self, member_id: str, index: int | None = None) -> None:
-        """The sender gave up on ``member_id`` (sample ``index``; default: read from the member id):
-        free its reservation; returns once no copy of it is running here, and none will start (the
+    def kv_cancel(self, member_id: str, index: int) -> None:
+        """The sender gave up on ``member_id`` (sample ``index``): free its reservation; returns once no copy of it is running here, and none will start (the
         sender may then reuse its blocks)."""
         def withdraw(engine: Any) -> None:
             now = time.monotonic()
@@ -465,8 +463,6 @@ class Worker:
         self.engine.call(withdraw, timeout=self.kv_timeout_s)
         with self._out_cv:
             self._reserved_by.pop(member_id, None)
-        if index is None:
-            index = int(member_id.rsplit("#", 1)[1]) if "#" in member_id else 0
         self.forget_sample(member_id.split("#", 1)[0], index)  # it will not decode here
 
     # ------------------------------------------------------------------ KVHost, for connectors

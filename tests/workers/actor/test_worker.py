@@ -84,7 +84,7 @@ def test_a_withdrawn_transfer_is_refused_and_a_full_worker_answers_none(tiny_mod
         assert not worker.kv_accept("shared_memory", "prefill-0", {"export": export, "node_id": "another-node"})
         assert worker.stats()["mapped_peer_caches"] == 0
         assert worker.kv_accept("shared_memory", "prefill-0", {"export": export, "node_id": node}) and worker.stats()["mapped_peer_caches"] == 1
-        worker.kv_cancel(meta.member_id)  # the sender gave up before the copy was queued
+        worker.kv_cancel(meta.member_id, meta.index)  # the sender gave up before the copy was queued
         with pytest.raises(KVTransferError, match="withdrawn"):
             _shared_receive(worker, meta.to_dict(), table, export)
         stats = worker.stats()
