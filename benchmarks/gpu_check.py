@@ -7,8 +7,13 @@ prefill); then median CUDA-event timings over rotated input sets, decode bandwid
 of a measured device-to-device copy, and prefill TFLOP/s next to torch SDPA (flash) on the same
 non-paged shapes. Writes JSON to ``--out``; exits 1 if any check fails.
 
-Without CUDA it prints that it was skipped and exits 0. ``--interpret-smoke`` runs the same code
-on tiny CPU shapes under ``TRITON_INTERPRET=1`` so the script itself stays tested.
+Then the whole engine on the device (``benchmarks/engine_check.py``): greedy parity with a plain
+``transformers`` loop on the same device in fp32, and offline output tok/s for SmolLM2 and for a
+random-weight Llama of ~1B shape in bf16.
+
+Without CUDA it prints that it was skipped and exits 0. ``--interpret-smoke`` runs the kernel code
+on tiny CPU shapes under ``TRITON_INTERPRET=1``, and ``--engine-smoke`` the engine stage on the CPU
+with small shapes, so the script itself stays tested.
 """
 
 from __future__ import annotations
@@ -291,7 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interpret-smoke", action="store_true",
                         help="tiny CPU shapes under TRITON_INTERPRET=1 (exercises this script)")
     parser.add_argument("--checks-only", action="store_true", help="correctness checks, no timing")
+    parser.add_argument("--engine-smoke", action="store_true",
+                        help="only the engine stage, on the CPU with small shapes (exercises it)")
+    parser.add_argument("--skip-engine", action="store_true", help="kernels only")
+    parser.add_argument("--work-dir", default=None, help="where the random-weight 1B model is written "
+                        "(default: the Baton cache)")
     args = parser.parse_args(argv)
+    if args.engine_smoke:
+        return _write(Path(args.out), _engine_only(args))
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit decorator runs
     import torch
@@ -318,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in run.timings.values():
         if "gb_per_s" in row and math.isfinite(copy_gbps):
             row["fraction_of_copy_bw"] = row["gb_per_s"] / copy_gbps
+    engine = None if args.skip_engine or args.interpret_smoke else _engine_stage(torch.device("cuda"), args)
     result = {
         "mode": "interpret-smoke" if args.interpret_smoke else "cuda",
         "timed": not args.checks_only,
@@ -325,9 +338,47 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(s),
         "copy_gb_per_s": copy_gbps if math.isfinite(copy_gbps) else None,
         "checks": run.checks, "timings": run.timings,
-        "all_ok": all(c["ok"] for c in run.checks.values()), "elapsed_s": time.monotonic() - run.t0,
+        "engine": engine,
+        "all_ok": all(c["ok"] for c in run.checks.values()) and (engine is None or engine["parity"]["ok"]),
+        "elapsed_s": time.monotonic() - run.t0,
     }
-    out = Path(args.out)
+    return _write(Path(args.out), result)
+
+
+def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) -> dict[str, Any]:
+    """Parity (fp32) and offline throughput (bf16) of the whole engine on ``device``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import engine_check
+    from workers.checkpoint.default_model import default_model_path
+
+    t0 = time.monotonic()
+    smol = Path(default_model_path())
+    cache = {"kv_cache_memory_gib": 0.25} if device.type == "cpu" else {"gpu_memory_utilization": 0.6}
+    parity = engine_check.greedy_parity(smol, device, new_tokens=6 if smoke else 32, **cache)
+    big_shape = ({"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2} if smoke else engine_check.LLAMA_1B)
+    work = Path(args.work_dir) if args.work_dir else Path.home() / ".cache" / "baton" / "models"
+    big = engine_check.write_random_llama(work / ("random-llama-smoke" if smoke else "random-llama-1b"), smol,
+                                          big_shape, torch.bfloat16)
+    n, inp, out = (4, 16, 8) if smoke else (256, 256, 128)
+    runs = [engine_check.offline_throughput(smol, device, "bfloat16", n, inp, out, **cache),
+            engine_check.offline_throughput(big, device, "bfloat16", n // 4 if not smoke else n, inp * 2, out,
+                                            **cache)]
+    return {"parity": parity, "throughput": runs, "elapsed_s": time.monotonic() - t0}
+
+
+def _engine_only(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    t0 = time.monotonic()
+    engine = _engine_stage(torch.device("cpu"), args, smoke=True)
+    return {"mode": "engine-smoke", "device": "cpu", "torch": torch.__version__, "engine": engine,
+            "all_ok": engine["parity"]["ok"], "elapsed_s": time.monotonic() - t0}
+
+
+def _write(out: Path, result: dict[str, Any]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"gpu_check: {'all checks passed' if result['all_ok'] else 'CHECKS FAILED'}; "

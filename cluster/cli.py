@@ -68,7 +68,7 @@ def _threads_arg(value: str) -> int | str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from workers import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop or [])
     start = time.perf_counter()
@@ -92,7 +92,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.serve import serve
 
     config = load_config(args.config).with_overrides(**{
-        "engine.model": args.model, "engine.dtype": args.dtype, "server.host": args.host,
+        "engine.model": args.model, "engine.dtype": args.dtype, "engine.device": args.device,
+        "server.host": args.host,
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", default=None, help="TOML config (default: the embedded model, 1P + 1D)")
     srv.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
     srv.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    srv.add_argument("--device", default=None, help="auto (default): CUDA where the worker has a GPU, else the CPU")
     srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
     srv.add_argument("--prefill", type=int, default=None, help="prefill workers")
@@ -278,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--model", default=None, help="model folder or .gguf (default: embedded model)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="auto", help="auto (default): CUDA where the worker has a GPU, else the CPU")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -17,8 +17,12 @@ class EngineSection(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bf16 where the CPU computes it natively (AVX512_BF16, AMX, Arm BF16), "
         "else fp32; decided per machine (kernels.auto_dtype)")
+    device: str = Field("auto", description="auto: the first CUDA device Ray gives the worker, else the CPU; "
+                        "cpu; cuda (an error at start where the worker has none)")
     block_size: int = Field(16, description="tokens per KV block")
-    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    kv_cache_memory_gib: float = Field(1.0, gt=0, description="KV cache size on a CPU")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: the share of the device for "
+                                          "weights, activations and the KV cache, which takes what is left")
     num_kv_blocks: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(128, ge=1)
@@ -30,6 +34,14 @@ class EngineSection(BaseModel):
     threads_per_worker: int | Literal["auto"] = Field(
         "auto", description="a worker's torch/OpenMP threads; auto fills the cores it is given: "
         "pools.cpus_per_worker where set, else every core of its machine")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        from kernels.device import check_device_name
+
+        check_device_name(value)  # ValueError naming the allowed spellings
+        return value
 
     @model_validator(mode="after")
     def _threads_positive(self) -> EngineSection:
@@ -52,6 +64,9 @@ class PoolsSection(BaseModel):
     decode: int = Field(1, ge=0)
     colocated: int = Field(0, ge=0)
     cpus_per_worker: float = Field(0.0, ge=0)
+    gpus_per_worker: float | Literal["auto"] = Field(
+        "auto", description="GPUs each worker asks Ray for (fractions share one); auto: 1 where engine.device "
+        "is cuda, or is auto and the cluster has GPUs, else 0")
     # Placement: Ray custom resources each worker of a pool asks for (e.g. {node_a = 0.01} on a
     # node started with --resources '{"node_a": 1}'), pinning the pool to the nodes that have them.
     prefill_resources: dict[str, float] = Field(default_factory=dict)
@@ -61,6 +76,8 @@ class PoolsSection(BaseModel):
 
     @model_validator(mode="after")
     def _some_workers(self) -> PoolsSection:
+        if self.gpus_per_worker != "auto" and self.gpus_per_worker < 0:
+            raise ValueError("pools.gpus_per_worker must be 'auto' or >= 0")
         if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("pools: need prefill >= 1 and decode >= 1, or colocated >= 1")
         for role in ("prefill", "decode", "colocated"):

@@ -110,12 +110,31 @@ def actor_options(config: ClusterConfig, role: str) -> dict[str, Any]:
     """Ray placement for one worker of ``role``: its CPUs, the custom resources its pool is pinned
     by, and SPREAD across nodes unless the config packs them."""
     options: dict[str, Any] = {"num_cpus": config.pools.cpus_per_worker}
+    gpus = gpus_per_worker(config)
+    if gpus:
+        options["num_gpus"] = gpus  # Ray sets the actor's CUDA_VISIBLE_DEVICES to what it grants
     resources = config.pools.resources_for(role)
     if resources:
         options["resources"] = resources
     if config.pools.spread:
         options["scheduling_strategy"] = "SPREAD"
     return options
+
+
+def gpus_per_worker(config: ClusterConfig) -> float:
+    """GPUs one worker asks Ray for: as configured, else 1 where the engine runs on CUDA (``cuda``,
+    or ``auto`` on a cluster whose nodes report GPUs) and 0 on CPUs."""
+    gpus = config.pools.gpus_per_worker
+    if gpus != "auto":
+        return float(gpus)
+    device = config.engine.device
+    if device == "cpu":
+        return 0.0
+    if device.startswith("cuda"):
+        return 1.0
+    import ray
+
+    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
 def worker_threads(config: ClusterConfig) -> int | None:
@@ -140,6 +159,17 @@ def check_same_dtype(workers: list[WorkerRef]) -> None:
         found = ", ".join(f"{w.worker_id} {w.info.get('dtype')}" for w in workers)
         raise ValueError(f"workers resolved engine.dtype to different dtypes ({found}): their machines "
                          "differ in native bf16 support; set engine.dtype (or --dtype) explicitly")
+
+
+def check_same_device_kind(workers: list[WorkerRef]) -> None:
+    """KV blocks travel between the caches of prefill and decode workers over one pair group:
+    gloo between CPU caches, NCCL between CUDA ones, never a mix. With ``device = "auto"`` on a
+    cluster where only some nodes have GPUs they could mix; say so at start."""
+    kinds = {str(w.info.get("device", "cpu")).split(":")[0] for w in workers}
+    if len(kinds) > 1:
+        found = ", ".join(f"{w.worker_id} {w.info.get('device')}" for w in workers)
+        raise ValueError(f"workers resolved engine.device to different kinds ({found}): set engine.device "
+                         "(or --device) explicitly, or pin the pools to nodes of one kind")
 
 
 class Cluster:
@@ -222,6 +252,7 @@ class Cluster:
         infos = ray.get([h.info.remote() for _, _, h in pending])
         self.workers = [WorkerRef(wid, role, h, info) for (wid, role, h), info in zip(pending, infos)]
         check_same_dtype(self.workers)
+        check_same_device_kind(self.workers)
         peers = {w.worker_id: w.handle for w in self.workers}
         ray.get([w.handle.set_peers.remote(peers) for w in self.workers])
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -14,14 +14,16 @@ import torch
 
 from kernels import capabilities, cpu_ops
 from kernels.auto_dtype import resolve_dtype
+from kernels.device import resolve_device
 from workers.blocks.prefix_hash import CacheNamespace
 from workers.checkpoint.default_model import resolve_model
 from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.engine.core import EngineCore
+from workers.engine.gpu_memory import plan_gpu_kv_cache
 from workers.engine.model_runner import kv_cache_block_bytes
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestOutput
-from workers.errors import InvalidRequestError
+from workers.errors import InvalidRequestError, ModelLoadError
 from workers.model.loader import load_model, parse_dtype, safetensors_files
 from workers.sampling.params import SamplingParams
 from workers.text.tokenizer import Tokenizer
@@ -42,20 +44,28 @@ def weights_fingerprint(folder: Path) -> str:
 
 
 def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
-    """Load model and tokenizer, size the KV cache, and return a ready engine (whose config has
-    ``dtype = "auto"`` resolved for this machine)."""
+    """Load model and tokenizer on the configured device, size the KV cache, and return a ready
+    engine (whose config has ``dtype`` and ``device`` = "auto" resolved for this machine)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    choice = resolve_dtype(config.dtype)
-    config = dataclasses.replace(config, dtype=choice.dtype)
-    capabilities.log_once(f"{cpu_ops.describe()}; dtype {choice.dtype} ({choice.reason}); "
-                          f"{torch.get_num_threads()} threads")
+    where = resolve_device(config.device)
+    choice = resolve_dtype(config.dtype, where.device.type)
+    config = dataclasses.replace(config, dtype=choice.dtype, device=str(where.device))
+    capabilities.log_once(f"{cpu_ops.describe()}; device {where.device} ({where.reason}); dtype {choice.dtype} "
+                          f"({choice.reason}); {torch.get_num_threads()} threads")
     folder = resolve_model(config.model)
     tokenizer = Tokenizer.from_folder(folder)
     dtype = parse_dtype(config.dtype)
-    model = load_model(folder, dtype=dtype, max_positions=config.max_model_len)
+    model = load_model(folder, dtype=dtype, max_positions=config.max_model_len, device=where.device)
+    eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
+    elif where.is_cuda:
+        max_len = config.max_model_len or model.cfg.max_position_embeddings
+        num_blocks = plan_gpu_kv_cache(model, config, where.device, eos, max_len).num_blocks
+        if num_blocks < 1:
+            raise ModelLoadError(f"no room for a KV block on {where.device} at gpu_memory_utilization = "
+                                 f"{config.gpu_memory_utilization}: raise it, or lower max_num_batched_tokens")
     else:
         num_blocks = int(config.kv_cache_memory_gib * (1 << 30)) // kv_cache_block_bytes(
             model, config.block_size, dtype)
@@ -63,9 +73,8 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
         model=folder.name, weights_hash=weights_fingerprint(folder),
         tokenizer_hash=tokenizer.fingerprint(), chat_template_hash=tokenizer.chat_template_fingerprint(),
         kv_dtype=config.dtype, block_size=config.block_size)
-    eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
     engine = EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace,
-                        tokenizer_json=tokenizer.backend.to_str())
+                        device=where.device, tokenizer_json=tokenizer.backend.to_str())
     return engine, tokenizer, folder
 
 

@@ -127,7 +127,7 @@ def test_workers_that_resolved_different_dtypes_are_refused():
 
 
 def test_pools_are_pinned_by_their_custom_resources_and_spread_by_default():
-    config = ClusterConfig.model_validate({"pools": {
+    config = ClusterConfig.model_validate({"engine": {"device": "cpu"}, "pools": {
         "prefill": 1, "decode": 2, "cpus_per_worker": 2,
         "prefill_resources": {"node_a": 0.01}, "decode_resources": {"node_b": 0.01}}})
     assert launcher.actor_options(config, "prefill") == {
@@ -141,3 +141,55 @@ def test_pools_are_pinned_by_their_custom_resources_and_spread_by_default():
 def test_pool_resources_are_custom_and_positive(resources):
     with pytest.raises(ValueError, match="custom resources only"):
         ClusterConfig.model_validate({"pools": {"prefill_resources": resources}})
+
+
+def test_workers_that_resolved_different_device_kinds_are_refused():
+    from cluster.pool_client import WorkerRef
+
+    gpus = [WorkerRef("prefill-0", "prefill", None, {"device": "cuda:0"}),
+            WorkerRef("decode-0", "decode", None, {"device": "cuda:0"})]
+    launcher.check_same_device_kind(gpus)  # one kind, whatever the index within each actor's GPUs
+    mixed = [gpus[0], WorkerRef("decode-0", "decode", None, {"device": "cpu"})]
+    with pytest.raises(ValueError, match="set engine.device"):
+        launcher.check_same_device_kind(mixed)
+
+
+@pytest.mark.parametrize(("engine", "pools", "gpus"), [
+    ({"device": "cpu"}, {}, 0.0),
+    ({"device": "cuda"}, {}, 1.0),
+    ({"device": "cuda:0"}, {}, 1.0),
+    ({"device": "cuda"}, {"gpus_per_worker": 0.5}, 0.5),  # fractions share a GPU
+    ({"device": "cpu"}, {"gpus_per_worker": 2}, 2.0),  # as configured, whatever the device
+])
+def test_workers_ask_ray_for_gpus_by_device(engine, pools, gpus):
+    config = ClusterConfig.model_validate({"engine": engine, "pools": pools})
+    assert launcher.gpus_per_worker(config) == gpus
+    options = launcher.actor_options(config, "prefill")
+    assert options.get("num_gpus", 0.0) == gpus
+    assert "num_gpus" in options or gpus == 0
+
+
+def test_auto_device_asks_for_gpus_only_where_the_cluster_has_them(monkeypatch):
+    import ray
+
+    config = ClusterConfig.model_validate({})
+    assert config.engine.device == "auto" and config.pools.gpus_per_worker == "auto"
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
+    assert launcher.gpus_per_worker(config) == 1.0
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert launcher.gpus_per_worker(config) == 0.0
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert launcher.gpus_per_worker(config) == 0.0
+
+
+@pytest.mark.parametrize(("section", "values", "match"), [
+    ("engine", {"device": "gpu"}, "device must be"),
+    ("engine", {"device": "cuda:x"}, "device must be"),
+    ("engine", {"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ("engine", {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ("pools", {"gpus_per_worker": -1}, "gpus_per_worker"),
+])
+def test_device_settings_are_checked(section, values, match):
+    with pytest.raises(ValueError, match=match):
+        ClusterConfig.model_validate({section: values})

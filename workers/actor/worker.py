@@ -137,7 +137,8 @@ class Worker:
                 "model": self.model_path.name,
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "node_id": node_id(),
+                "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "device": c.config.device,
+                "node_id": node_id(),
                 "output_address": list(self._output.address), "output_secret": self._output_secret,
                 # Routers hash prompts with this to compare them against the cache events below.
                 "cache_namespace": dataclasses.asdict(c.block_manager.namespace),

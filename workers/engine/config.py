@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kernels.device import check_device_name
 from workers.engine.waiting_queue import POLICY_NAMES
 
 
@@ -42,11 +43,13 @@ class SchedulerConfig:
 class EngineConfig:
     """What to load and how much KV cache to hold.
 
-    ``num_kv_blocks`` wins over ``kv_cache_memory_gib`` when both are set.
+    ``num_kv_blocks`` wins over ``kv_cache_memory_gib`` (CPU) or ``gpu_memory_utilization`` (CUDA).
     """
 
     model: str | None = None  # folder, .gguf file, or None for the embedded default
     dtype: str = "auto"  # auto: bf16 where the CPU computes it natively, else fp32 (kernels.auto_dtype)
+    device: str = "auto"  # auto: the first visible CUDA device, else the CPU (kernels.device)
+    gpu_memory_utilization: float = 0.9  # on CUDA: the device's share for weights, activations and KV
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 2.0
@@ -71,4 +74,7 @@ class EngineConfig:
                  self.max_model_len)
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  "'auto', 'float32', 'bfloat16' or 'float16'", self.dtype)
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]",
+                 self.gpu_memory_utilization)
+        check_device_name(self.device)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)

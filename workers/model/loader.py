@@ -34,10 +34,16 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
-               ctx: ParallelContext | None = None, max_positions: int | None = None) -> LlamaForCausalLM:
-    """Build the model from ``config.json`` and copy every weight in; all parameters must be filled."""
+               ctx: ParallelContext | None = None, max_positions: int | None = None,
+               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Build the model from ``config.json``, copy every weight in (all parameters must be filled)
+    and move it to ``device``."""
     folder = Path(folder)
+    device = torch.device(device)
     cfg = ModelConfig.from_folder(folder)
+    if cfg.quantization is not None and device.type != "cpu":
+        raise ModelLoadError(f"{folder}: {cfg.quantization.method} weights have CPU kernels only; serve the "
+                             f"full-precision model on {device.type}, or this one with device = 'cpu'")
     with torch.device("cpu"):
         model = LlamaForCausalLM(cfg, dtype=dtype, ctx=ctx, max_positions=max_positions)
     params = dict(model.named_parameters())
@@ -65,6 +71,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     missing = [n for n in params if not _is_loaded(n, loaded)]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights for {missing[:5]}")
+    # Weights are read on the CPU (safetensors maps the files) and moved once; packing is for the
+    # CPU matmul and a no-op on other devices, so it follows the move.
+    if device.type != "cpu":
+        model.to(device)
     model.pack_weights()
     return model.eval()
 
