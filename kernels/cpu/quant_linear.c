@@ -700,50 +700,6 @@ typedef void (*gemm_fn)(const float *, const float *, const float *, const float
 static const gemm_fn GEMM_TILES[MR + 1] = {NULL, gemm_tile_1, gemm_tile_2, gemm_tile_3, gemm_tile_4, gemm_tile_5,
                                            gemm_tile_6};
 
-/* The GEMM over all panels; int8 when mins is NULL (q int8: per channel when g == K, the scales
- * applied to the sums, else group-wise, the panels dequantised), else int4 (panels dequantised).
- * Returns -1 when out of memory. */
-static int gemm(const float *x, const void *q, int64_t ldq, const float *scales, const float *mins, int64_t lds,
-                const void *bias, void *out, int64_t M, int64_t N, int64_t K, int64_t g, int dt, int nthreads) {
-    const int channel = !mins && g == K;
-    const int64_t panels = (N + NR - 1) / NR;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (M * N * K >= QL_PAR_MIN_WORK && panels > 1)
-    {
-        float *pk = aligned_alloc(64, sizeof(float) * (size_t)((K + 15) / 16 * 16) * NR);
-        if (!pk) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t n0 = p * NR;
-                const int nc = N - n0 < NR ? (int)(N - n0) : NR;
-                float cs[NR], cb[NR];
-                for (int c = 0; c < NR; c++) {
-                    cs[c] = c < nc && channel ? scales[(n0 + c) * lds] : 1.f;
-                    cb[c] = c < nc && bias ? ldv(bias, n0 + c, dt) : 0.f;
-                }
-                if (mins)
-                    pack_i4((const uint8_t *)q + n0 * ldq, ldq, scales + n0 * lds, mins + n0 * lds, lds, K, g, nc,
-                            pk);
-                else if (channel)
-                    pack_i8((const int8_t *)q + n0 * ldq, ldq, K, nc, pk);
-                else
-                    pack_i8g((const int8_t *)q + n0 * ldq, ldq, scales + n0 * lds, lds, g, K, nc, pk);
-                for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                    const int r = M - m0 < MR ? (int)(M - m0) : MR;
-                    GEMM_TILES[r](x, pk, cs, cb, out, N, K, m0, n0, nc, dt);
-                }
-            }
-        }
-        free(pk);
-    }
-    return failed ? -1 : 0;
-}
-
 /* ---- many rows, bf16 activations on AVX512_BF16: the GEMM on bf16 dot products ---------------- */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -889,18 +845,30 @@ typedef void (*bf_fn)(const uint16_t *, const uint32_t *, const float *, const f
 static const bf_fn BF_TILES[BMR + 1] = {NULL, bf_tile_1, bf_tile_2, bf_tile_3, bf_tile_4,
                                         bf_tile_5, bf_tile_6, bf_tile_7, bf_tile_8};
 
-/* The bf16 GEMM over all panels, x and out bf16, K a multiple of 32: int8 when mins is NULL (per
- * channel when g == K), else int4. Returns -1 when out of memory. */
-static int gemm_bf16(const uint16_t *x, const void *q, int64_t ldq, const float *scales, const float *mins,
-                     int64_t lds, const void *bias, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t g,
-                     int nthreads) {
+#endif
+
+/* The GEMM over all panels; int8 when mins is NULL (q int8: per channel when g == K, the scales
+ * applied to the sums, else group-wise, the panels dequantised), else int4 (panels dequantised).
+ * bf: on bf16 dot products (x and out bf16, K a multiple of 32; only where HAVE_BF16_GEMM), else
+ * fp32 (x fp32, out of dtype dt). Returns -1 when out of memory. */
+static int gemm(const void *x, const void *q, int64_t ldq, const float *scales, const float *mins, int64_t lds,
+                const void *bias, void *out, int64_t M, int64_t N, int64_t K, int64_t g, int dt, int nthreads,
+                int bf) {
     const int channel = !mins && g == K;
-    const int mode = mins ? 2 : channel ? 0 : 1;
-    const int64_t panels = (N + BNR - 1) / BNR;
+#ifdef HAVE_BF16_GEMM
+    const int nr = bf ? BNR : NR;
+    const size_t fp32_bytes = sizeof(float) * (size_t)((K + 15) / 16 * 16) * NR;
+    const size_t bytes = bf ? sizeof(uint32_t) * (size_t)(K / 2) * BNR : fp32_bytes;
+#else
+    const int nr = NR;
+    const size_t bytes = sizeof(float) * (size_t)((K + 15) / 16 * 16) * NR;
+    (void)bf;
+#endif
+    const int64_t panels = (N + nr - 1) / nr;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (M * N * K >= QL_PAR_MIN_WORK && panels > 1)
     {
-        uint32_t *pk = aligned_alloc(64, sizeof(uint32_t) * (size_t)(K / 2) * BNR);
+        void *pk = aligned_alloc(64, bytes);
         if (!pk) {
 #pragma omp atomic write
             failed = 1;
@@ -909,19 +877,37 @@ static int gemm_bf16(const uint16_t *x, const void *q, int64_t ldq, const float 
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
-                const int64_t n0 = p * BNR;
-                const int nc = N - n0 < BNR ? (int)(N - n0) : BNR;
-                float cs[BNR], cb[BNR];
-                for (int c = 0; c < BNR; c++) {
+                const int64_t n0 = p * nr;
+                const int nc = N - n0 < nr ? (int)(N - n0) : nr;
+                float cs[32], cb[32]; /* a panel's column scales and biases: NR or BNR <= 32 */
+                for (int c = 0; c < nr; c++) {
                     cs[c] = c < nc && channel ? scales[(n0 + c) * lds] : 1.f;
-                    cb[c] = c < nc && bias ? bf16_to_f32(((const uint16_t *)bias)[n0 + c]) : 0.f;
+                    cb[c] = c < nc && bias ? ldv(bias, n0 + c, dt) : 0.f;
                 }
-                const void *qp = mins ? (const void *)((const uint8_t *)q + n0 * ldq)
-                                      : (const void *)((const int8_t *)q + n0 * ldq);
-                pack_bf16_panel(qp, ldq, scales + n0 * lds, mins ? mins + n0 * lds : NULL, lds, g, K, nc, mode, pk);
-                for (int64_t m0 = 0; m0 < M; m0 += BMR) {
-                    const int r = M - m0 < BMR ? (int)(M - m0) : BMR;
-                    BF_TILES[r](x, pk, cs, cb, out, N, K, m0, n0, nc);
+#ifdef HAVE_BF16_GEMM
+                if (bf) {
+                    const int mode = mins ? 2 : channel ? 0 : 1;
+                    const void *qp = mins ? (const void *)((const uint8_t *)q + n0 * ldq)
+                                          : (const void *)((const int8_t *)q + n0 * ldq);
+                    pack_bf16_panel(qp, ldq, scales + n0 * lds, mins ? mins + n0 * lds : NULL, lds, g, K, nc, mode,
+                                    pk);
+                    for (int64_t m0 = 0; m0 < M; m0 += BMR) {
+                        const int r = M - m0 < BMR ? (int)(M - m0) : BMR;
+                        BF_TILES[r](x, pk, cs, cb, out, N, K, m0, n0, nc);
+                    }
+                    continue;
+                }
+#endif
+                if (mins)
+                    pack_i4((const uint8_t *)q + n0 * ldq, ldq, scales + n0 * lds, mins + n0 * lds, lds, K, g, nc,
+                            pk);
+                else if (channel)
+                    pack_i8((const int8_t *)q + n0 * ldq, ldq, K, nc, pk);
+                else
+                    pack_i8g((const int8_t *)q + n0 * ldq, ldq, scales + n0 * lds, lds, g, K, nc, pk);
+                for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                    const int r = M - m0 < MR ? (int)(M - m0) : MR;
+                    GEMM_TILES[r](x, pk, cs, cb, out, N, K, m0, n0, nc, dt);
                 }
             }
         }
@@ -929,7 +915,6 @@ static int gemm_bf16(const uint16_t *x, const void *q, int64_t ldq, const float 
     }
     return failed ? -1 : 0;
 }
-#endif
 
 /* ---- entry points ----------------------------------------------------------------------------- */
 
@@ -946,8 +931,7 @@ int baton_linear_int8(const void *x, const int8_t *q, const float *scales, const
         return -1;
 #ifdef HAVE_BF16_GEMM
     if (dt && K % 32 == 0 && M >= (g == K ? QL_GEMM_MIN_M_INT8 : QL_GEMM_MIN_M_INT8G))
-        return gemm_bf16((const uint16_t *)x, q, ldq, scales, NULL, lds, bias, (uint16_t *)out, M, N, K, g,
-                         nthreads);
+        return gemm(x, q, ldq, scales, NULL, lds, bias, out, M, N, K, g, dt, nthreads, 1);
 #endif
     float *xbuf;
     const float *xf = fp32_rows(x, M * K, dt, &xbuf);
@@ -955,7 +939,7 @@ int baton_linear_int8(const void *x, const int8_t *q, const float *scales, const
         return -1;
     int rc = 0;
     if (M >= (g == K ? QL_GEMM_MIN_M_INT8 : QL_GEMM_MIN_M_INT8G)) {
-        rc = gemm(xf, q, ldq, scales, NULL, lds, bias, out, M, N, K, g, dt, nthreads);
+        rc = gemm(xf, q, ldq, scales, NULL, lds, bias, out, M, N, K, g, dt, nthreads, 0);
     } else {
         const int64_t tiles = (N + C - 1) / C;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N * K >= QL_PAR_MIN_WORK)
@@ -980,8 +964,7 @@ int baton_linear_int4(const void *x, const uint8_t *q, const float *scales, cons
         return -1;
 #ifdef HAVE_BF16_GEMM
     if (dt && M >= QL_GEMM_MIN_M_INT4) /* K % g == 0 and g % 32 == 0: K is a multiple of 32 */
-        return gemm_bf16((const uint16_t *)x, q, ldq, scales, mins, lds, bias, (uint16_t *)out, M, N, K, g,
-                         nthreads);
+        return gemm(x, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads, 1);
 #endif
     float *xbuf;
     const float *xf = fp32_rows(x, M * K, dt, &xbuf);
@@ -989,7 +972,7 @@ int baton_linear_int4(const void *x, const uint8_t *q, const float *scales, cons
         return -1;
     int rc = 0;
     if (M >= QL_GEMM_MIN_M_INT4) {
-        rc = gemm(xf, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads);
+        rc = gemm(xf, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads, 0);
     } else if (M >= QL_ROWS_MIN_M_INT4) {
         rc = i4_deq_rows(xf, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads);
     } else {
