@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import importlib.util
 import logging
+import math
 import os
 import secrets
 from pathlib import Path
@@ -122,19 +123,30 @@ def actor_options(config: ClusterConfig, role: str) -> dict[str, Any]:
 
 
 def gpus_per_worker(config: ClusterConfig) -> float:
-    """GPUs one worker asks Ray for: as configured, else 1 where the engine runs on CUDA (``cuda``,
-    or ``auto`` on a cluster whose nodes report GPUs) and 0 on CPUs."""
+    """GPUs one worker asks Ray for: as configured, else (``auto``) 1 each where the engine runs on
+    CUDA and the cluster has a GPU per worker, an equal share of them where it has fewer (two
+    workers on one GPU: 0.5 each), and 0 on CPUs."""
     gpus = config.pools.gpus_per_worker
     if gpus != "auto":
         return float(gpus)
     device = config.engine.device
     if device == "cpu":
         return 0.0
-    if device.startswith("cuda"):
-        return 1.0
     import ray
 
-    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    have = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
+    if not have:
+        return 1.0 if device.startswith("cuda") else 0.0  # cuda: Ray says so if none is free
+    p = config.pools
+    workers = p.colocated or p.prefill + p.decode
+    return 1.0 if have >= workers else math.floor(100 * have / workers) / 100
+
+
+def gpu_memory_share(config: ClusterConfig) -> float:
+    """Each worker's ``gpu_memory_utilization``: the configured share of a GPU, times the part of
+    the GPU the worker gets when workers share one."""
+    share = gpus_per_worker(config)
+    return config.engine.gpu_memory_utilization * (share if 0 < share < 1 else 1.0)
 
 
 def worker_threads(config: ClusterConfig) -> int | None:
@@ -207,6 +219,8 @@ class Cluster:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._started_ray = init_ray(self.config)
+        # Workers sharing a GPU each size their KV cache from their part of it.
+        engine_kwargs["gpu_memory_utilization"] = gpu_memory_share(self.config)
         # Named actors where this deployment opened the Ray connection, so it owns the namespace
         # (``baton serve``): operators find them with ray.get_actor(name, namespace=...). A caller
         # that brought its own Ray session (a test, a notebook) may run several deployments in it.

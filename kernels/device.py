@@ -3,7 +3,8 @@ this process can see (Ray sets ``CUDA_VISIBLE_DEVICES`` to the GPUs it granted t
 the CPU. ``cuda`` without a usable CUDA device is an error at start, never a silent CPU run.
 
 The KV cache on a GPU is sized like vLLM's ``gpu_memory_utilization``: the share of the device's
-memory this worker may use, less the weights and a profiled activation peak (``kv_cache_bytes``).
+memory this worker may use, less the weights and a profiled activation peak, within what is free
+(``kv_cache_bytes``).
 """
 
 from __future__ import annotations
@@ -61,14 +62,15 @@ def resolve_device(requested: str = "auto") -> DeviceChoice:
     return DeviceChoice(torch.device("cuda", index), f"set explicitly: {_name(index)}")
 
 
-def kv_cache_bytes(total: int, utilization: float, weights: int, activation_peak: int, others: int) -> int:
-    """Bytes left for the KV cache on a device of ``total`` bytes when this worker may use
-    ``utilization`` of it: less its weights, its activation peak, and what other processes hold
-    (``others``, from the driver's free-memory figure). Never negative."""
+def kv_cache_bytes(total: int, utilization: float, weights: int, activation_peak: int, free: int) -> int:
+    """Bytes for the KV cache of a worker that may use ``utilization`` of a device of ``total``
+    bytes (vLLM's per-instance ``gpu_memory_utilization``): its share less its weights and its
+    activation peak, and never more than the device has ``free`` now (other workers sharing the
+    GPU took theirs first). Never negative."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    budget = int(total * utilization) - others
-    return max(budget - weights - activation_peak, 0)
+    share = int(total * utilization) - weights - activation_peak
+    return max(min(share, free), 0)
 
 
 def _name(index: int) -> str:

@@ -172,15 +172,30 @@ def test_workers_ask_ray_for_gpus_by_device(engine, pools, gpus):
 def test_auto_device_asks_for_gpus_only_where_the_cluster_has_them(monkeypatch):
     import ray
 
-    config = ClusterConfig.model_validate({})
+    config = ClusterConfig.model_validate({})  # 1 prefill + 1 decode
     assert config.engine.device == "auto" and config.pools.gpus_per_worker == "auto"
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
     assert launcher.gpus_per_worker(config) == 1.0
+    assert launcher.gpu_memory_share(config) == config.engine.gpu_memory_utilization
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     assert launcher.gpus_per_worker(config) == 0.0
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert launcher.gpus_per_worker(config) == 0.0
+
+
+def test_workers_outnumbering_the_gpus_share_them_and_their_memory(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    two = ClusterConfig.model_validate({"engine": {"gpu_memory_utilization": 0.8}})
+    assert launcher.gpus_per_worker(two) == 0.5
+    assert launcher.gpu_memory_share(two) == pytest.approx(0.4)
+    three = ClusterConfig.model_validate({"pools": {"colocated": 3}})
+    assert launcher.gpus_per_worker(three) == 0.33  # rounded down: three of them fit on one GPU
+    fixed = two.with_overrides(**{"pools.gpus_per_worker": 1})
+    assert launcher.gpus_per_worker(fixed) == 1.0 and launcher.gpu_memory_share(fixed) == 0.8
 
 
 @pytest.mark.parametrize(("section", "values", "match"), [

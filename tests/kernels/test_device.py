@@ -49,12 +49,13 @@ def test_unknown_device_names_are_refused(name):
         check_device_name(name)
 
 
-def test_kv_budget_is_the_share_less_weights_activations_and_other_processes():
+def test_kv_budget_is_the_share_less_weights_and_activations_within_what_is_free():
     gib = 1 << 30
-    assert kv_cache_bytes(80 * gib, 0.9, 2 * gib, 1 * gib, 0) == 72 * gib - 3 * gib
-    # another process holding 10 GiB comes out of this worker's share, not on top of it
-    assert kv_cache_bytes(80 * gib, 0.9, 2 * gib, 1 * gib, 10 * gib) == 62 * gib - 3 * gib
-    assert kv_cache_bytes(8 * gib, 0.5, 4 * gib, 1 * gib, 0) == 0  # never negative
+    assert kv_cache_bytes(80 * gib, 0.9, 2 * gib, 1 * gib, 70 * gib) == 72 * gib - 3 * gib
+    # a second worker on the same GPU gets its share only as far as the first left room
+    assert kv_cache_bytes(80 * gib, 0.45, 2 * gib, 1 * gib, 50 * gib) == 36 * gib - 3 * gib
+    assert kv_cache_bytes(80 * gib, 0.45, 2 * gib, 1 * gib, 20 * gib) == 20 * gib
+    assert kv_cache_bytes(8 * gib, 0.5, 4 * gib, 1 * gib, 4 * gib) == 0  # never negative
     for bad in (0.0, 1.01, -0.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             kv_cache_bytes(gib, bad, 0, 0, 0)

@@ -1,6 +1,7 @@
 """KV cache size on a CUDA device, as vLLM's ``gpu_memory_utilization`` sizes it: the share of the
 device this worker may use, less its weights, less the activation peak of the largest step the
-scheduler can build (profiled by running one), less what other processes already hold.
+scheduler can build (profiled by running one), and never more than the device has free (workers
+sharing one GPU each take their share).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class GpuMemoryPlan:
     """What the sizing saw (bytes) and the blocks it leaves room for."""
 
     total: int
-    others: int
+    free: int
     weights: int
     activation_peak: int
     block_bytes: int
@@ -67,13 +68,10 @@ def plan_gpu_kv_cache(model: LlamaForCausalLM, config: EngineConfig, device: tor
     del probe
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    # What the driver says is in use beyond this process's own allocator is other processes' (and
-    # the CUDA context's): it is not ours to give to the cache.
-    others = max(total - free - torch.cuda.memory_reserved(device), 0)
-    room = kv_cache_bytes(total, config.gpu_memory_utilization, weights, max(peak, 0), others)
-    plan = GpuMemoryPlan(total, others, weights, max(peak, 0), block_bytes, room // block_bytes)
+    room = kv_cache_bytes(total, config.gpu_memory_utilization, weights, max(peak, 0), free)
+    plan = GpuMemoryPlan(total, free, weights, max(peak, 0), block_bytes, room // block_bytes)
     log.info("KV cache on %s: %d blocks (%.2f GiB) = %.0f%% of %.1f GiB - weights %.2f GiB - activations "
-             "%.2f GiB - others %.2f GiB", device, plan.num_blocks, plan.num_blocks * block_bytes / 2**30,
+             "%.2f GiB (%.2f GiB free)", device, plan.num_blocks, plan.num_blocks * block_bytes / 2**30,
              100 * config.gpu_memory_utilization, total / 2**30, weights / 2**30, plan.activation_peak / 2**30,
-             others / 2**30)
+             free / 2**30)
     return plan

@@ -31,7 +31,6 @@ class FakeMeter:
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.weights)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", self._peak)
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: self.weights)
         monkeypatch.setattr(torch.cuda, "mem_get_info",
                             lambda *a: (self.total - self.weights - self.others, self.total))
 
@@ -51,7 +50,7 @@ def test_profile_shape_spreads_the_token_budget_over_the_sequences():
     assert gpu_memory.profile_shape(config, 100) == (1, 99)  # a prompt leaves room for its token
 
 
-def test_cache_takes_the_share_left_after_weights_activations_and_others(tiny_model_dir: Path, monkeypatch):
+def test_cache_takes_the_share_left_after_weights_and_activations_within_what_is_free(tiny_model_dir: Path, monkeypatch):
     model = load_model(tiny_model_dir, torch.float32)
     config = EngineConfig(dtype="float32", block_size=8, gpu_memory_utilization=0.5,
                           scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8))
@@ -70,8 +69,13 @@ def test_cache_takes_the_share_left_after_weights_activations_and_others(tiny_mo
     plan = gpu_memory.plan_gpu_kv_cache(model, config, torch.device("cpu"), [2], 512)
     # 8 prompts of 12 tokens: the whole token budget in one step, and every one finished by it
     assert steps == [8]
-    assert plan.activation_peak == GIB and plan.weights == 3 * GIB and plan.others == 2 * GIB
-    assert plan.num_blocks == (20 * GIB - 2 * GIB - 3 * GIB - GIB) // block
+    assert plan.activation_peak == GIB and plan.weights == 3 * GIB and plan.free == 35 * GIB
+    assert plan.num_blocks == (20 * GIB - 3 * GIB - GIB) // block
+    # another process holding most of the device: the cache takes what is free, not its share
+    meter.others = 30 * GIB
+    plan = gpu_memory.plan_gpu_kv_cache(model, config, torch.device("cpu"), [2], 512)
+    assert plan.free == 7 * GIB and plan.num_blocks == 7 * GIB // block
+    assert steps == [8, 8]
 
 
 def test_engine_device_is_checked_and_cuda_absent_is_an_error(tiny_model_dir: Path, monkeypatch):
