@@ -310,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the CLI prints a clean one-line error for our typed errors
+        from pydantic import ValidationError
+
         from cluster.config import ConfigError
+        from kernels.device import DeviceUnavailableError
         from workers.errors import BatonError
 
-        if isinstance(exc, (BatonError, ConfigError)):
+        if isinstance(exc, (BatonError, ConfigError, DeviceUnavailableError, ValidationError)):
             print(f"baton: error: {exc}", file=sys.stderr)
             return 2
         raise
