@@ -65,12 +65,12 @@ def resolve_device(requested: str = "auto") -> DeviceChoice:
 def kv_cache_bytes(total: int, utilization: float, weights: int, activation_peak: int, free: int) -> int:
     """Bytes for the KV cache of a worker that may use ``utilization`` of a device of ``total``
     bytes (vLLM's per-instance ``gpu_memory_utilization``): its share less its weights and its
-    activation peak, and never more than the device has ``free`` now (other workers sharing the
-    GPU took theirs first). Never negative."""
+    activation peak, and never more than the device has ``free`` now less room for those
+    activations (other workers sharing the GPU took theirs first). Never negative."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     share = int(total * utilization) - weights - activation_peak
-    return max(min(share, free), 0)
+    return max(min(share, free - activation_peak), 0)
 
 
 def _name(index: int) -> str:
