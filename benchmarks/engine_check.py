@@ -21,15 +21,16 @@ LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers":
             "num_attention_heads": 32, "num_key_value_heads": 8}
 
 
-def hf_greedy(hf_model: Any, prompt: list[int], n: int, device: torch.device) -> list[int]:
-    """``n`` greedy tokens from a plain full-recompute forward loop (no cache, no generate())."""
-    ids = torch.tensor([prompt], device=device)
+def hf_greedy(hf_model: Any, prompt: list[int], n: int, device: torch.device | str = "cpu") -> list[int]:
+    """``n`` greedy tokens from a plain ``transformers`` forward loop with its own KV cache (no
+    generate()): the parity reference, here and in the tests."""
     out: list[int] = []
     with torch.no_grad():
+        step = hf_model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
         for _ in range(n):
-            nxt = int(hf_model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+            out.append(int(step.logits[0, -1].argmax()))
+            step = hf_model(input_ids=torch.tensor([[out[-1]]], device=device),
+                            past_key_values=step.past_key_values, use_cache=True)
     return out
 
 

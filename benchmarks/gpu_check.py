@@ -351,7 +351,7 @@ def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) ->
 
     sys.path.insert(0, str(ROOT))
     from benchmarks import engine_check
-    from workers.checkpoint.default_model import default_model_path
+    from workers.checkpoint.default_model import cache_root, default_model_path
 
     t0 = time.monotonic()
     smol = Path(default_model_path())
@@ -359,13 +359,13 @@ def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) ->
     parity = engine_check.greedy_parity(smol, device, new_tokens=6 if smoke else 32, **cache)
     big_shape = ({"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2} if smoke else engine_check.LLAMA_1B)
-    work = Path(args.work_dir) if args.work_dir else Path.home() / ".cache" / "baton" / "models"
+    work = Path(args.work_dir) if args.work_dir else cache_root() / "models"
     big = engine_check.write_random_llama(work / ("random-llama-smoke" if smoke else "random-llama-1b"), smol,
                                           big_shape, torch.bfloat16)
-    n, inp, out = (4, 16, 8) if smoke else (256, 256, 128)
-    runs = [engine_check.offline_throughput(smol, device, "bfloat16", n, inp, out, **cache),
-            engine_check.offline_throughput(big, device, "bfloat16", n // 4 if not smoke else n, inp * 2, out,
-                                            **cache)]
+    # (requests, prompt tokens, output tokens) per model: the 1B one with a quarter of the requests
+    sizes = [(4, 16, 8), (4, 32, 8)] if smoke else [(256, 256, 128), (64, 512, 128)]
+    runs = [engine_check.offline_throughput(folder, device, "bfloat16", *size, **cache)
+            for folder, size in zip((smol, big), sizes)]
     return {"parity": parity, "throughput": runs, "elapsed_s": time.monotonic() - t0}
 
 

@@ -65,8 +65,8 @@ class PoolsSection(BaseModel):
     colocated: int = Field(0, ge=0)
     cpus_per_worker: float = Field(0.0, ge=0)
     gpus_per_worker: float | Literal["auto"] = Field(
-        "auto", description="GPUs each worker asks Ray for (fractions share one); auto: 1 where engine.device "
-        "is cuda, or is auto and the cluster has GPUs, else 0")
+        "auto", description="GPUs each worker asks Ray for (fractions share one); auto: 1 each where the "
+        "engine runs on CUDA and the cluster has a GPU per worker, an equal share where it has fewer, else 0")
     # Placement: Ray custom resources each worker of a pool asks for (e.g. {node_a = 0.01} on a
     # node started with --resources '{"node_a": 1}'), pinning the pool to the nodes that have them.
     prefill_resources: dict[str, float] = Field(default_factory=dict)

@@ -34,15 +34,3 @@ def real_tok(default_model_dir: Path):
     from workers.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(default_model_dir)
-
-
-def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Plain transformers forward loop with its own KV cache: the parity reference."""
-    ids = torch.tensor([prompt_ids])
-    out = model(input_ids=ids, use_cache=True)
-    tokens: list[int] = []
-    for _ in range(max_new_tokens):
-        tok = int(out.logits[0, -1].argmax())
-        tokens.append(tok)
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens

@@ -64,12 +64,12 @@ def plan_gpu_kv_cache(model: LlamaForCausalLM, config: EngineConfig, device: tor
     while probe.has_unfinished_requests():
         probe.step()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - weights - blocks * block_bytes
+    peak = max(torch.cuda.max_memory_allocated(device) - weights - blocks * block_bytes, 0)
     del probe
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    room = kv_cache_bytes(total, config.gpu_memory_utilization, weights, max(peak, 0), free)
-    plan = GpuMemoryPlan(total, free, weights, max(peak, 0), block_bytes, room // block_bytes)
+    room = kv_cache_bytes(total, config.gpu_memory_utilization, weights, peak, free)
+    plan = GpuMemoryPlan(total, free, weights, peak, block_bytes, room // block_bytes)
     log.info("KV cache on %s: %d blocks (%.2f GiB) = %.0f%% of %.1f GiB - weights %.2f GiB - activations "
              "%.2f GiB (%.2f GiB free)", device, plan.num_blocks, plan.num_blocks * block_bytes / 2**30,
              100 * config.gpu_memory_utilization, total / 2**30, weights / 2**30, plan.activation_peak / 2**30,

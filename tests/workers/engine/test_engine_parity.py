@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import hf_greedy
+from benchmarks.engine_check import hf_greedy
 from workers import LLM, SamplingParams
 
 PROMPTS = [

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import hf_greedy
+from benchmarks.engine_check import hf_greedy
 from tests.tiny_model import write_tiny_llama
 from workers import LLM, SamplingParams
 from workers.errors import ModelLoadError
