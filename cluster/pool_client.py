@@ -226,11 +226,15 @@ class PoolClient:
                     continue
                 if isinstance(delta, BaseException):
                     raise delta
-                if delta.recoverable and stream.workers:
+                if delta.recoverable:
                     # A sample's KV did not reach (or did not verify on) the decode worker: the
-                    # request is placed again, from the tokens its caller has.
-                    self._lose(stream, stream.prefill_id or next(iter(stream.workers)),
-                               RuntimeError(delta.stop_reason), dead=False, suspects=tuple(sorted(stream.workers)))
+                    # request is placed again, from the tokens its caller has. Never a final delta:
+                    # with n > 1 a second sample's failure can sit queued behind the first's, after
+                    # the placement was already given up (no workers left); it ends nothing either.
+                    if stream.workers:
+                        self._lose(stream, stream.prefill_id or next(iter(stream.workers)),
+                                   RuntimeError(delta.stop_reason), dead=False,
+                                   suspects=tuple(sorted(stream.workers)))
                     continue
                 if stream.paused and stream.queue.qsize() <= self.low_water:
                     self._set_paused(stream, False)

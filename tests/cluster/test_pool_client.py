@@ -1,0 +1,106 @@
+"""PoolClient against scripted workers (no Ray): the order in which deltas reach a stream decides
+what its caller gets, so these tests fix that order exactly instead of racing real actors for it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from cluster.pool_client import PoolClient, WorkerRef
+from router.routing import make_policy
+from workers.actor.messages import encode_deltas
+from workers.engine.outputs import TokenDelta
+from workers.engine.validation import RequestLimits
+from workers.sampling.params import SamplingParams
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+        # Runs at once, like a Ray call that is sent whether or not anyone awaits its result.
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.fn(*args, **kwargs))
+        return fut
+
+
+class ScriptedWorker:
+    """A worker handle whose ``add_request`` calls a script; what the script emits is what the
+    front's poll loop reads next, in one batch."""
+
+    def __init__(self, script) -> None:
+        self.script, self.outbox, self.added, self.aborted = script, [], [], []
+        self.add_request = _Method(self._add)
+        self.abort = _Method(self.aborted.append)
+        self.poll = _Poll(self)
+        self.stats = _Method(lambda: {})
+        self.set_paused = _Method(lambda *a: None)
+        self.finish_sample = _Method(lambda *a: None)
+
+    def _add(self, wire_id, prompt, params, *common, resume=None) -> None:
+        self.added.append((wire_id, None if resume is None else {**resume, "output_token_ids": list(resume["output_token_ids"])}))
+        self.outbox.extend(self.script(wire_id, params, resume))
+
+
+
+class _Poll:
+    """``Worker.poll``: what the worker emitted since the last call, or None after a short wait."""
+
+    def __init__(self, worker: ScriptedWorker) -> None:
+        self.worker = worker
+
+    async def remote(self, front_id: str, timeout_s: float) -> bytes | None:
+        await asyncio.sleep(0.01)
+        out, self.worker.outbox = self.worker.outbox, []
+        return encode_deltas(out) if out else None
+
+
+FULL = {0: [11, 12, 13, 14], 1: [21, 22, 23, 24]}
+
+
+def _pool(script) -> tuple[PoolClient, ScriptedWorker]:
+    worker = ScriptedWorker(script)
+    refs = [WorkerRef("prefill-0", "prefill", worker), WorkerRef("decode-0", "decode", ScriptedWorker(lambda *a: []))]
+    pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
+                      policy=make_policy("round_robin"), migration_wait_s=1.0)
+    return pool, worker
+
+
+async def _collect(pool: PoolClient, params: SamplingParams) -> tuple[dict[int, list[int]], dict[int, str]]:
+    toks: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    async for d in pool.generate("r", [1, 2, 3], params):
+        toks.setdefault(d.index, []).extend(d.token_ids)
+        if d.finish_reason is not None:
+            reasons[d.index] = d.finish_reason
+    return toks, reasons
+
+
+def test_both_samples_of_a_failed_shipment_resume_even_when_their_failures_arrive_together():
+    """n = 2: prefill emits both first tokens, then both shipments fail in the same batch. The
+    first failure gives the placement up; the second, already queued behind it, must not end
+    its sample as aborted: both samples resume after the migration, nothing lost or repeated."""
+
+    def script(wire_id, params, resume):
+        if resume is None:  # the first placement: first tokens, then both KV shipments fail
+            return [TokenDelta(wire_id, 0, FULL[0][:1]), TokenDelta(wire_id, 1, FULL[1][:1]),
+                    *(TokenDelta(wire_id, i, [], finish_reason="abort", stop_reason="kv transfer failed",
+                                 recoverable=True) for i in (0, 1))]
+        i, have = resume["index"], resume["output_token_ids"]
+        return [TokenDelta(wire_id, i, FULL[i][len(have):], finish_reason="length")]
+
+    async def main():
+        pool, worker = _pool(script)
+        await pool.start(stats_interval_s=0.05)
+        try:
+            got = await asyncio.wait_for(_collect(pool, SamplingParams(n=2, max_tokens=4, seed=1)), 10)
+            return got, pool.migrations_total, worker.added
+        finally:
+            await pool.stop()
+
+    (toks, reasons), migrations, added = asyncio.run(main())
+    assert toks == FULL and reasons == {0: "length", 1: "length"}
+    assert migrations == 1
+    # one migration placed each sample alone, resuming from its first token
+    assert sorted((r["index"], r["output_token_ids"]) for _, r in added[1:]) == [(0, [11]), (1, [21])]
