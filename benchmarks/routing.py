@@ -2,8 +2,9 @@
 
 For each layout (2 prefill + 2 decode, 4 colocated) and each workload (``shared-prefix``: N system
 prompts x user turns; ``skewed``: the same with one hot prefix taking a fraction of the traffic),
-every policy gets a fresh deployment of the default model (empty caches), then the same requests
-at the same Poisson arrival times (``baton bench``'s runner, same seed). Reported per run: TTFT
+every policy gets a fresh deployment of the default model (empty caches), one unmeasured request
+per system prompt (``--warmup-prefixes``, on by default; the policy places them), then the same
+requests at the same Poisson arrival times (``baton bench``'s runner, same seed). Reported per run: TTFT
 p50/p99, TPOT, output throughput, the prefix-cache hit rate the server reported
 (``cached_tokens``), goodput at the SLO, and the router's own view (decisions by reason, the
 median of measured/estimated TTFT).
@@ -81,6 +82,7 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -
         cfg = BenchConfig(base_url=server.url, tokenizer_source=str(dep.cluster.model_path), workload=wl,
                           num_prompts=args.num_prompts, request_rate=args.request_rate, seed=args.seed,
                           slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), num_warmups=0,
+                          warmup_prefixes=args.warmup_prefixes,
                           disable_tqdm=True, request_timeout_s=args.request_timeout)
         res = asyncio.run(asyncio.wait_for(run_async(cfg), args.run_timeout))
         s = res.summary
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot-fraction", type=float, default=0.7)
     ap.add_argument("--request-rate", type=float, default=1.0, help="req/s, Poisson (inf: all at once)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                    help="send each system prompt once, unmeasured, before the run (default on): p99 then "
+                         "shows where the policy keeps prefixes, not the first touch of each, cold under every "
+                         "policy")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads-per-worker", type=int, default=1)
     ap.add_argument("--kv-cache-memory-gib", type=float, default=1.0)

@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-speedup", type=_rate, default=1.0, help="divide a trace's timestamps by this")
     g.add_argument("--num-warmups", type=int, default=1,
                    help="unmeasured requests first, one at a time; the first is reported as the cold start")
+    g.add_argument("--warmup-prefixes", action="store_true",
+                   help="shared-prefix: send each system prompt once (fresh suffix, unmeasured) before the run, "
+                        "so it measures caches in steady state rather than each prefix's first touch")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--max-client-lag-ms", type=float, default=25.0, help="warn when the client lags more (p99)")
     g.add_argument("--disable-tqdm", action="store_true")
@@ -96,6 +99,8 @@ def _config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-u
     if args.goodput and any(g in ("sweep", "run") for g in args.goodput):
         raise ValueError("put 'sweep' right after 'bench': baton bench sweep --rates ... --goodput ...")
     shared = args.dataset_name == "shared-prefix"
+    if args.warmup_prefixes and not shared:
+        raise ValueError("--warmup-prefixes needs --dataset-name shared-prefix")
 
     def dist(n: int) -> LengthDist:
         return LengthDist(n, kind=args.length_dist, range_ratio=args.random_range_ratio,
@@ -124,6 +129,7 @@ def _config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-u
         endpoint=args.endpoint, workload=workload, num_prompts=num_prompts, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, trace_speedup=args.trace_speedup,
         seed=args.seed, slo=parse_goodput(args.goodput), percentiles=percentiles, num_warmups=args.num_warmups,
+        warmup_prefixes=args.warmup_prefixes,
         ignore_eos=args.ignore_eos, temperature=args.temperature, token_ids=not args.text_prompts,
         request_timeout_s=args.request_timeout, max_client_lag_ms=args.max_client_lag_ms,
         disable_tqdm=args.disable_tqdm)

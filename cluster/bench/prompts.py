@@ -122,6 +122,23 @@ class PromptFactory:
             out.append(self._one(spec, prefix))
         return out
 
+    def prefix_warmups(self, specs: list[RequestSpec], prompts: list[Prompt]) -> list[tuple[RequestSpec, Prompt]]:
+        """One request per shared prefix of ``prompts`` (built from ``specs``), in order of first
+        use: the same prefix, a fresh suffix as long as that first request's, so a warm-up puts
+        the system prompts in the server's caches and nothing of a measured request beyond them."""
+        out: list[tuple[RequestSpec, Prompt]] = []
+        seen: set[int] = set()
+        for spec, prompt in zip(specs, prompts):
+            if spec.prefix_group < 0 or spec.prefix_group in seen:
+                continue
+            seen.add(spec.prefix_group)
+            if prompt.token_ids is not None:
+                prefix: list[int] | str | None = prompt.token_ids[:spec.prefix_len]
+            else:
+                prefix = prompt.system
+            out.append((spec, self._one(spec, prefix)))
+        return out
+
     def _one(self, spec: RequestSpec, prefix: list[int] | str | None) -> Prompt:
         tok = self.tokenizer
         if spec.text is not None:  # a trace's literal prompt

@@ -27,7 +27,7 @@ from cluster.bench.arrivals import arrival_offsets, trace_offsets
 from cluster.bench.client import Endpoint, fetch_model_name, send
 from cluster.bench.metrics import DEFAULT_PERCENTILES, SLO, RequestRecord, summarize
 from cluster.bench.prompts import Prompt, PromptFactory, load_tokenizer
-from cluster.bench.workload import RequestSpec, WorkloadConfig
+from cluster.bench.workload import RequestSpec, WorkloadConfig, WorkloadError
 
 _LOOP_PROBE_S = 0.02
 
@@ -56,6 +56,8 @@ class BenchConfig:
     slo: SLO | None = None
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     num_warmups: int = 1
+    # shared-prefix: first send each system prompt once, with a fresh suffix (steady-state caches)
+    warmup_prefixes: bool = False
     ignore_eos: bool = True
     temperature: float = 0.0
     token_ids: bool = True
@@ -183,6 +185,12 @@ async def run_async(cfg: BenchConfig) -> BenchResult:
     specs = cfg.workload.build(cfg.num_prompts, cfg.seed)
     warm_specs = cfg.workload.warmups(cfg.num_warmups, cfg.seed)
     prompts, warm_prompts = factory.build(specs), factory.build(warm_specs)
+    if cfg.warmup_prefixes:
+        if not any(s.prefix_group >= 0 for s in specs):
+            raise WorkloadError("warm-up of prefixes needs a workload with shared prefixes (shared-prefix)")
+        for spec, prompt in factory.prefix_warmups(specs, prompts):  # after: measured prompts unchanged
+            warm_specs.append(spec)
+            warm_prompts.append(prompt)
     offsets, mode = _schedule(cfg, specs)
     endpoint = Endpoint(base_url=cfg.base_url, model=model, path=cfg.endpoint, ignore_eos=cfg.ignore_eos,
                         temperature=cfg.temperature, token_ids=cfg.token_ids, timeout_s=cfg.request_timeout_s)
