@@ -518,7 +518,8 @@ class PoolClient:
         request = RouteRequest(len(prompt_token_ids), hashes, self._block_size or 16,
                                max(min(max_tokens, self.limits.max_model_len - len(prompt_token_ids)), 1) * params.n,
                                self._kv_block_bytes)
-        decision = self.policy.route(request, Candidates(first, decode, matched, stale))
+        held = {w.worker_id: self.index.held(w.worker_id, now) for w in alive}
+        decision = self.policy.route(request, Candidates(first, decode, matched, stale, held))
         if decision.estimated_ttft_s is None:
             decision.estimated_ttft_s = self._estimator.ttft_s(decision.first, request, decision.matched_blocks,
                                                                alive)

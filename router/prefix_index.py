@@ -135,6 +135,15 @@ class PrefixIndex:
         w = self._workers.get(worker_id)
         return len(w.hashes) if w is not None else 0
 
+    def held(self, worker_id: str, now: float | None = None) -> int:
+        """Blocks ``worker_id`` holds or is about to: as reported, plus unexpired predictions (a
+        prompt routed there a moment ago fills its cache before its events say so)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        return len(w.hashes) + sum(1 for expiry in w.predicted.values() if expiry > now)
+
     def lag_s(self, worker_id: str, now: float | None = None) -> float | None:
         """Seconds since ``worker_id``'s events last arrived (None: never)."""
         w = self._workers.get(worker_id)

@@ -101,9 +101,13 @@ class Candidates:
     decode: list[Any] = field(default_factory=list)  # empty for colocated pools
     matched_blocks: dict[str, int] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)  # workers the index has no fresh events from
+    cached_blocks: dict[str, int] = field(default_factory=dict)  # blocks each worker's prefix cache holds
 
     def matched(self, worker: Any) -> int:
         return self.matched_blocks.get(worker.worker_id, 0)
+
+    def cached(self, worker: Any) -> int:
+        return self.cached_blocks.get(worker.worker_id, 0)
 
 
 @dataclass

@@ -14,6 +14,10 @@ locally, or a colocated worker, pays its prefill time once per running sequence,
 request's own TTFT alone would send a prompt to an idle worker that must compute it all rather
 than to a holder of its prefix that is busy for about as long, and the cold copy costs every later
 arrival there. Each uncached token's compute counts once more, times the weight.
+``evict_weight`` prices the cached prefixes a request pushes out of a full cache: the blocks it
+needs beyond the worker's empty room evict cached ones, each worth its prefill again should its
+prefix come back. Among workers that hold nothing of a prompt, that sends a new prefix where it
+displaces least, so prefixes spread over the caches instead of crowding one by chance.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]
 class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
-    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0) -> None:
+    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0) -> None:
         self.stall_weight = stall_weight
         self.work_weight = work_weight
+        self.evict_weight = evict_weight
 
     def prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
         f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
@@ -100,3 +105,22 @@ class CostModel:
             return 0.0
         uncached = max(request.prompt_len - matched_blocks * request.block_size, 1)
         return self.stall_weight * running * self.prefill_s(worker, uncached, pool)
+
+    def evict_s(self, worker: Any, request: RouteRequest, matched_blocks: int, cached_blocks: int,
+                pool: list[Any]) -> float:
+        """What the cached blocks this request would evict on ``worker`` cost to compute again.
+
+        Free blocks are empty or cached-but-unused (evictable); ``cached_blocks`` (what the prefix
+        index holds for the worker) bounds the latter, so the empty room is at least the rest.
+        """
+        load = worker.load
+        if self.evict_weight == 0 or not load.num_blocks:
+            return 0.0
+        needed = math.ceil((request.prompt_len + request.max_tokens) / request.block_size) - matched_blocks
+        evictable = min(max(cached_blocks, 0), load.num_free_blocks)
+        empty = load.num_free_blocks - evictable
+        evicted = min(max(needed - empty, 0), evictable)
+        if evicted == 0:
+            return 0.0
+        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        return self.evict_weight * f.per_unit * evicted * request.block_size

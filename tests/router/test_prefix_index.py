@@ -156,3 +156,15 @@ def test_a_removed_worker_is_forgotten() -> None:
     index.apply("w", _Batch("e", 1, resync=True, hashes=[b"a" * 16]), now=0.0)
     index.remove("w")
     assert index.match(["w"], [b"a" * 16], now=0.0) == {"w": 0} and index.is_stale("w")
+
+
+def test_held_counts_reported_blocks_and_unexpired_predictions_once() -> None:
+    index = PrefixIndex(predict_ttl_s=2.0)
+    h = [bytes([i]) * 16 for i in range(4)]
+    assert index.held("w", now=0.0) == 0
+    index.apply("w", _Batch("e", 1, resync=True, hashes=h[:2]), now=0.0)
+    index.predict("w", h, now=1.0)  # the two reported ones are not predicted again
+    assert index.held("w", now=1.5) == 4 and index.size("w") == 2
+    index.apply("w", _Batch("e", 2, events=[(2, "stored", [h[2]])]), now=1.6)
+    assert index.held("w", now=1.7) == 4  # h[2] moved from predicted to reported
+    assert index.held("w", now=3.5) == 3  # h[3]'s prediction expired

@@ -3,7 +3,8 @@
 For every pair: the prefill worker's time to first token (its queue plus the prompt's part it
 does not hold) + the KV shipment (the blocks the decode worker does not hold) + the output at the
 decode worker's step time with one more sequence + the uncached prefill once more, for the
-requests that will queue behind it (``work_weight``). A prefix match is worth the prefill it saves
+requests that will queue behind it (``work_weight``) + the cached blocks it would evict there,
+at their prefill cost (``evict_weight``). A prefix match is worth the prefill it saves
 (twice, with the default weight), so a holder loses the request only when its queue costs more
 than that: no hotspot, and no cold copy of a prefix for a queue a step deep.
 
@@ -16,6 +17,7 @@ Candidates within ``tie_tolerance`` of the best are tied, and a tie is broken at
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -29,10 +31,10 @@ class CompletionCost(RoutingPolicy):
 
     name = "cost"
 
-    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0,
+    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
                  conditional_disaggregation: bool = True, tie_tolerance: float = 0.01,
                  seed: int | None = None) -> None:
-        self.model = CostModel(stall_weight, work_weight)
+        self.model = CostModel(stall_weight, work_weight, evict_weight)
         self.conditional_disaggregation = conditional_disaggregation
         self.tie_tolerance = tie_tolerance
         self._rng = random.Random(seed)
@@ -47,13 +49,17 @@ class CompletionCost(RoutingPolicy):
                 hit = candidates.matched(w)
                 ttft = m.ttft_s(w, request, hit, pool)
                 cost = (ttft + out * m.itl_s(w, pool) + m.stall_s(w, request, hit, pool)
-                        + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit))
+                        + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit)
+                        + m.evict_s(w, request, hit, candidates.cached(w), pool))
                 options.append((cost, ttft, w, None))
         else:
             decode_s = {d.worker_id: out * m.itl_s(d, pool) for d in candidates.decode}
             for p in candidates.first:
                 ttft = m.ttft_s(p, request, candidates.matched(p), pool)
-                work = m.work_s(p, request, candidates.matched(p), pool)
+                # the prompt's KV stays cached where it was prefilled: its evictions count there
+                work = (m.work_s(p, request, candidates.matched(p), pool)
+                        + m.evict_s(p, dataclasses.replace(request, max_tokens=0), candidates.matched(p),
+                                    candidates.cached(p), pool))
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
@@ -68,7 +74,8 @@ class CompletionCost(RoutingPolicy):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
-                            + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d))
+                            + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d)
+                            + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
                     options.append((cost, ttft, d, None))
         best = min(o[0] for o in options)
         tied = [o for o in options if o[0] <= best * (1 + self.tie_tolerance) + 1e-6]

@@ -139,6 +139,45 @@ def test_cost_breaks_ties_at_random() -> None:
     assert min(firsts.values()) > 50 and min(decodes.values()) > 50
 
 
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("layout", ["2P+1D", "colocated"])
+def test_cost_puts_a_new_prefix_where_it_evicts_least(seed: int, layout: str) -> None:
+    """Idle workers holding nothing of the prompt: the one whose cache is full of other prefixes
+    would evict 65 cached blocks for it, the other has empty room. Not a coin toss any more."""
+    pol = make_policy("cost", seed=seed)
+    role = "colocated" if layout == "colocated" else "prefill"
+    full, roomy = _worker("w0", role, free_blocks=900), _worker("w1", role, free_blocks=900)
+    d = [] if layout == "colocated" else [_worker("d0", "decode")]
+    cached = {"w0": 900, "w1": 300}  # w0's free blocks all hold cached prefixes; w1 has 600 empty
+    x = pol.route(_request(), Candidates([full, roomy], d, {}, cached_blocks=cached))
+    assert x.first.worker_id == "w1" and x.reason == "load"
+    # room on both: a tie again, broken at random
+    firsts = Counter(pol.route(_request(), Candidates([full, roomy], d, {}, cached_blocks={"w0": 100})).first.worker_id
+                     for _ in range(100))
+    assert min(firsts.values()) > 20
+
+
+def test_the_eviction_price_never_outweighs_a_holder_of_the_prefix() -> None:
+    """A full cache that holds the prompt's prefix needs a block or two for the tail: it keeps the
+    request rather than a cold copy being made on a roomy worker."""
+    pol = make_policy("cost", seed=0)
+    p = [_worker("p0", free_blocks=900), _worker("p1", free_blocks=900)]
+    x = pol.route(_request(), Candidates(p, [_worker("d0", "decode")], {"p0": 63}, cached_blocks={"p0": 900}))
+    assert x.first.worker_id == "p0" and x.reason == "prefix"
+
+
+def test_the_eviction_price_counts_only_blocks_beyond_the_empty_room() -> None:
+    from router.routing.cost_model import CostModel
+
+    m, w = CostModel(), _worker("w0", free_blocks=100)  # prefill fit: 1/2000 s per token
+    req = _request(1024, max_tokens=0)  # 64 blocks
+    assert m.evict_s(w, req, 0, 36, [w]) == 0.0  # 64 empty blocks: room enough
+    assert m.evict_s(w, req, 0, 46, [w]) == pytest.approx(10 * BS / 2000)  # 54 empty: 10 evicted
+    assert m.evict_s(w, req, 0, 500, [w]) == pytest.approx(64 * BS / 2000)  # every free block is cached
+    assert m.evict_s(w, req, 60, 500, [w]) == pytest.approx(4 * BS / 2000)  # the prefix is there already
+    assert CostModel(evict_weight=0).evict_s(w, req, 0, 500, [w]) == 0.0
+
+
 def test_cost_prefers_the_decode_worker_that_holds_the_prefix_when_shipping_is_slow() -> None:
     pol = make_policy("cost", seed=0, conditional_disaggregation=False)
     slow_link = (0.005, 1 / 50e6)  # 50 MB/s: a 1k-token prompt's KV takes ~0.9 s
