@@ -7,6 +7,8 @@ Each system runs alone (started, measured, stopped) so none shares the cores wit
 workloads, all through Baton's own load generator with the same prompts: *saturation* (every
 request at once, output tok/s), *1 req/s* Poisson (p99 TPOT) and *single* (one request at a time,
 a fixed 256-token prompt: TTFT of a prompt alone and single-stream TPOT). Ratios are Baton / peer.
+With ``--rounds N`` every system runs N times in ABBA order and each figure is the median of its
+rounds (each round's key figures are kept in the JSON).
 Peers run in the dtype Baton's ``auto`` picks on this CPU (``--peer-dtype``).
 
     .venv/bin/python benchmarks/side_by_side.py --vllm-venv /work/vllm-venv --llamacpp-venv /work/llamacpp-venv
@@ -23,6 +25,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -79,6 +82,7 @@ class SystemResult:
     single: WorkloadResult | None = None
     log: str = ""
     stray_processes: int = 0
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # with --rounds > 1: each round's key figures
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,45 @@ def compute_ratios(results: list[SystemResult]) -> list[Ratio]:
 
 def _fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+ROUND_FIGURES = (("saturation", "output_throughput"), ("rate", "p99_tpot_ms"), ("single", "median_ttft_ms"),
+                 ("single", "median_tpot_ms"))
+
+
+def merge_rounds(runs: list[SystemResult]) -> SystemResult:
+    """One system's rounds as one result: every numeric summary figure is the median over the rounds
+    that completed the workload, and ``rounds`` keeps each round's key figures. A system that
+    failed in any round is reported as failed (with that round's reason)."""
+    if len(runs) == 1:
+        return runs[0]
+    bad = next((r for r in runs if r.status != "ok"), None)
+    first = runs[0]
+    out = SystemResult(first.name, bad.status if bad else "ok", bad.detail if bad else "", first.command,
+                       statistics.median(r.startup_s for r in runs if r.startup_s is not None)
+                       if any(r.startup_s is not None for r in runs) else None,
+                       log=first.log, stray_processes=sum(r.stray_processes for r in runs))
+    out.rounds = [{f"{w}.{k}": _metric(r, w, k) for w, k in ROUND_FIGURES} for r in runs]
+    for workload in WORKLOADS:
+        done = [getattr(r, workload) for r in runs if r.status == "ok" and getattr(r, workload) is not None
+                and not getattr(r, workload).error and getattr(r, workload).summary.get("completed")]
+        if not done:
+            setattr(out, workload, getattr(runs[-1], workload))
+            continue
+        keys = {k for w in done for k, v in w.summary.items() if isinstance(v, (int, float))}
+        summary = {k: statistics.median(w.summary[k] for w in done if isinstance(w.summary.get(k), (int, float)))
+                   for k in keys}
+        summary["rounds"] = len(done)
+        colds = [w.cold_ttft_ms for w in done if w.cold_ttft_ms is not None]
+        setattr(out, workload, WorkloadResult(summary, done[0].mode, sorted({x for w in done for x in w.warnings}),
+                                              statistics.median(colds) if colds else None))
+    return out
+
+
+def round_order(names: list[str], rnd: int) -> list[str]:
+    """The systems in round ``rnd``: forward, then backward (ABBA), so a machine that drifts over
+    the run does not favour whichever system always goes first."""
+    return names if rnd % 2 == 0 else names[::-1]
 
 
 def markdown(results: list[SystemResult], ratios: list[Ratio], rate: float) -> str:
@@ -418,6 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--single-input-len", type=int, default=256)
     p.add_argument("--single-output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, in ABBA order, and report each figure's median "
+                        "(these shared VMs move single runs by 10-40%%)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a server to get ready")
     p.add_argument("--workload-timeout", type=float, default=1800.0, help="seconds per workload")
@@ -427,6 +473,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
         p.error(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
 
 
@@ -441,7 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     log_dir = out.parent / f"{out.stem}_logs"
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = [run_system(args, model, name, log_dir) for name in args.systems.split(",") if name]
+    names = [name for name in args.systems.split(",") if name]
+    runs: dict[str, list[SystemResult]] = {name: [] for name in names}
+    for rnd in range(args.rounds):
+        for name in round_order(names, rnd):
+            if args.rounds > 1:
+                print(f"side_by_side: round {rnd + 1} of {args.rounds}", file=sys.stderr, flush=True)
+            runs[name].append(run_system(args, model, name, log_dir))
+    results = [merge_rounds(runs[name]) for name in names]
     ratios = compute_ratios(results)
     md = markdown(results, ratios, args.rate)
     data = {"date": started, "command": shlex.join([sys.executable, *sys.argv]), "model": model,

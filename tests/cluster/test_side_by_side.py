@@ -26,7 +26,9 @@ from benchmarks.side_by_side import (
     compute_ratios,
     descendants,
     markdown,
+    merge_rounds,
     parse_args,
+    round_order,
     run_workload,
 )
 
@@ -180,3 +182,24 @@ def test_ratios_and_table():
     # A peer that failed, or ran no workload, yields no ratio rather than a wrong one.
     failed = compute_ratios([_res("baton-colocated", 400.0, 40.0), SystemResult("vllm", "failed", "boom")])
     assert failed[0].output_throughput_ratio is None and failed[0].meets_target is None
+
+
+def test_rounds_merge_to_each_figures_median_and_keep_every_round():
+    runs = [_res("baton-colocated", tps, tpot, single=(ttft, 15.0))
+            for tps, tpot, ttft in ((400.0, 40.0, 120.0), (460.0, 30.0, 180.0), (420.0, 50.0, 110.0))]
+    merged = merge_rounds(runs)
+    assert merged.status == "ok" and merged.startup_s == 3.0
+    assert merged.saturation.summary["output_throughput"] == 420.0 and merged.saturation.summary["rounds"] == 3
+    assert merged.rate.summary["p99_tpot_ms"] == 40.0 and merged.single.summary["median_ttft_ms"] == 120.0
+    assert [r["saturation.output_throughput"] for r in merged.rounds] == [400.0, 460.0, 420.0]
+    ratio = compute_ratios([merged, merge_rounds([_res("vllm", 200.0, 40.0), _res("vllm", 210.0, 44.0)])])[0]
+    assert ratio.output_throughput_ratio == pytest.approx(420.0 / 205.0)
+    # a round that failed fails the system, with that round's reason
+    broken = merge_rounds([runs[0], SystemResult("baton-colocated", "failed", "exited with code 1")])
+    assert broken.status == "failed" and broken.detail == "exited with code 1"
+    assert merge_rounds(runs[:1]) is runs[0]
+
+
+def test_rounds_alternate_their_order():
+    names = ["baton-colocated", "vllm", "hf"]
+    assert [round_order(names, r) for r in range(3)] == [names, names[::-1], names]
