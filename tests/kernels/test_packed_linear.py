@@ -1,6 +1,8 @@
-"""Packed bf16 linear: the same numbers as ``F.linear``, and plain fallbacks where it does not apply."""
+"""Packed linear: bf16 bit-identical to ``F.linear``, fp32 within its rounding, and plain fallbacks where it does not apply."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
@@ -11,6 +13,8 @@ from workers.model.layers import ColumnParallelLinear, ParallelContext, RowParal
 
 needs_packing = pytest.mark.skipif(packed_linear.pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is None,
                                    reason="this CPU/torch has no oneDNN bf16 linear")
+needs_fp32_packing = pytest.mark.skipif(packed_linear.pack(torch.zeros(8, 8)) is None,
+                                        reason="fp32 packing is x86-64 only (or this torch has no oneDNN)")
 
 
 @needs_packing
@@ -35,13 +39,47 @@ def test_non_contiguous_input_rows():
     assert torch.equal(packed_linear.linear(x, w, packed_linear.pack(w)), F.linear(x, w))
 
 
-def test_no_packing_outside_bf16_cpu(monkeypatch):
-    assert packed_linear.pack(torch.randn(8, 8)) is None  # fp32 keeps the exact plain path
+@needs_fp32_packing
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_fp32_matches_f_linear_to_rounding(rows, with_bias):
+    g = torch.Generator().manual_seed(100 + rows)
+    w = torch.randn(96, 80, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(rows, 80, generator=g)
+    packed = packed_linear.pack(w)
+    assert packed is not None
+    out = packed_linear.linear(x, w, packed, b)
+    assert out.dtype == torch.float32 and out.shape == (rows, 96)
+    # another summation order: a few ulps of the largest partial sums, no more
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=2e-5)
+
+
+@needs_fp32_packing
+def test_packed_fp32_leading_dims_and_strided_rows():
+    w = torch.randn(16, 32)
+    packed = packed_linear.pack(w)
+    x = torch.randn(5, 64)[:, :32]
+    torch.testing.assert_close(packed_linear.linear(x, w, packed), F.linear(x, w), rtol=0, atol=2e-5)
+    x3 = torch.randn(2, 3, 32)
+    torch.testing.assert_close(packed_linear.linear(x3, w, packed), F.linear(x3, w), rtol=0, atol=2e-5)
+
+
+def test_fp32_packs_only_on_x86_64(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert packed_linear.pack(torch.randn(8, 8)) is None
+
+
+def test_no_packing_where_it_does_not_apply(monkeypatch):
+    assert packed_linear.pack(torch.randn(8, 8).half()) is None  # fp16 keeps the plain path
+    assert packed_linear.pack(torch.randn(8)) is None
     monkeypatch.setenv("BATON_PACKED_LINEAR", "0")
     assert packed_linear.pack(torch.randn(8, 8).bfloat16()) is None
+    assert packed_linear.pack(torch.randn(8, 8)) is None
     monkeypatch.setenv("BATON_PACKED_LINEAR", "1")
     monkeypatch.setenv("BATON_KERNEL_BACKEND", "torch")
     assert packed_linear.pack(torch.randn(8, 8).bfloat16()) is None
+    assert packed_linear.pack(torch.randn(8, 8)) is None
     w = torch.randn(4, 8)
     x = torch.randn(2, 8)
     assert torch.equal(packed_linear.linear(x, w, None), F.linear(x, w))
