@@ -9,8 +9,8 @@ multiply itself. Packing at load time skips it:
   30 layers + lm_head, 2 threads, 2-core Zen 3 (AVX2), medians of 5 interleaved runs, ms:
   ``F.linear`` 84 / 192 / 273 / 525 / 1483 against packed 59 / 89 / 138 / 337 / 1107 at
   1 / 8 / 32 / 128 / 512 rows. Not measured on aarch64, which keeps ``F.linear`` in fp32.
-The packed copy sits beside the plain weight (which the embedding and the fallbacks read), so a
-packed model holds its matmul weights twice. ``BATON_PACKED_LINEAR=0`` turns packing off.
+A packed layer drops its plain weight (``FullPrecision.pack``), except the output projection, whose
+rows the logit upcast reads, and a tied embedding. ``BATON_PACKED_LINEAR=0`` turns packing off.
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` through the packed weight when there is one."""
-    if packed is None or x.dtype != packed.dtype or x.device.type != "cpu":
+    """``x @ weight.T + bias`` through the packed weight when there is one (``weight`` may then be
+    released, empty); x of another dtype is computed in the packed one and cast back."""
+    if packed is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
+    if x.dtype != packed.dtype:
+        return linear(x.to(packed.dtype), weight, packed, None if bias is None else bias.to(packed.dtype)).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -99,3 +99,50 @@ def test_parallel_linear_layers_use_the_packed_weight():
     row.pack_weights()
     assert col.packed is not None and row.packed is not None
     assert torch.equal(col(x), plain[0]) and torch.equal(row(x), plain[1])
+
+
+@needs_fp32_packing
+def test_packing_releases_the_plain_fp32_weight():
+    ctx = ParallelContext()
+    col = ColumnParallelLinear(24, [16, 8], bias=True, ctx=ctx, dtype=torch.float32)
+    row = RowParallelLinear(24, 12, bias=False, ctx=ctx, dtype=torch.float32)
+    for layer in (col, row):
+        for p in layer.parameters():
+            p.data.copy_(torch.randn_like(p))
+    x = torch.randn(6, 24)
+    plain = (col(x), row(x))
+    dense = col.weight.detach().clone()
+    col.pack_weights()
+    row.pack_weights()
+    assert col.weight.numel() == 0 and row.weight.numel() == 0
+    torch.testing.assert_close(col(x), plain[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(row(x), plain[1], rtol=0, atol=2e-5)
+    # rows of a released weight come back exactly from the packed copy
+    assert torch.equal(col.method.rows(col, torch.tensor([3, 0, 23])), dense[[3, 0, 23]])
+    # another activation dtype runs in the packed dtype and comes back in its own
+    xb = x.bfloat16()
+    out = col(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(xb.float(), dense, col.bias).bfloat16())  # to bf16 rounding
+
+
+@needs_fp32_packing
+def test_packing_can_keep_the_plain_weight():
+    col = ColumnParallelLinear(24, [16], bias=False, ctx=ParallelContext(), dtype=torch.float32)
+    col.weight.data.copy_(torch.randn(16, 24))
+    col.pack_weights(release_plain=False)
+    assert col.packed is not None and col.weight.shape == (16, 24)
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_loaded_model_keeps_only_the_weights_it_reads(tmp_path, tie):
+    from tests.tiny_model import write_tiny_llama
+    from workers.model.loader import load_model
+
+    model = load_model(write_tiny_llama(tmp_path, tie=tie))
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
+    assert model.embed_tokens.weight.numel() > 0
+    if model.lm_head is not None:  # compute_logits reads its rows in bf16
+        assert model.lm_head.weight.numel() > 0 and model.lm_head.packed is not None

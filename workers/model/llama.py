@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
         """Pack every matmul weight for the CPU (a no-op elsewhere); call once the weights are loaded."""
         for module in self.modules():
             if module is not self and hasattr(module, "pack_weights"):
-                module.pack_weights()
+                # the output projection keeps its plain weight: compute_logits reads rows of it
+                module.pack_weights(release_plain=module is not self.lm_head)
         if self.lm_head is None:
             self._lm_head_packed = packed_linear.pack(self.embed_tokens.weight)
 
