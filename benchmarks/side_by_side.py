@@ -217,8 +217,10 @@ def free_port() -> int:
 def build_specs(args: argparse.Namespace, model: str, port: int, name: str) -> SystemSpec:
     """The command line for ``name`` on ``port``."""
     bin_dir = Path(sys.executable).parent
+    # the same KV budget as vLLM-CPU's: Baton's default (1 GiB) queues 64 fp32 requests of up to
+    # 576 tokens at saturation, and a request queued 30 s for KV room gets 429
     baton = [str(bin_dir / "baton"), "serve", "--model", model, "--port", str(port),
-             "--threads-per-worker", str(args.threads)]
+             "--threads-per-worker", str(args.threads), "--kv-cache-memory-gib", str(args.vllm_kvcache_gib)]
     if name == "baton-colocated":
         return SystemSpec(name, baton + ["--colocated", "1"])
     if name in ("baton-int8", "baton-int4"):
@@ -442,7 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder (default: the converted default model)")
     p.add_argument("--vllm-venv", default=None, help="virtualenv with vllm-cpu installed (else vLLM is skipped)")
     p.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: vLLM's default)")
-    p.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
+    p.add_argument("--vllm-kvcache-gib", type=int, default=2,
+                   help="KV cache GiB of vLLM-CPU (VLLM_CPU_KVCACHE_SPACE) and of each Baton worker")
     p.add_argument("--vllm-max-model-len", type=int, default=2048)
     p.add_argument("--llamacpp-venv", default=None, help="virtualenv with llama-cpp-python[server] (else skipped)")
     p.add_argument("--llamacpp-gguf", default=None, help="GGUF for llama.cpp (default: the default model's own)")

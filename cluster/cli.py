@@ -65,6 +65,16 @@ def _threads_arg(value: str) -> int | str:
     return n
 
 
+def _gib_arg(value: str) -> float:
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0 or gib != gib or gib == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {value!r}")
+    return gib
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from workers import LLM, SamplingParams
 
@@ -97,7 +107,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
-        "router.policy": args.routing_policy, "server.api_key": args.api_key,
+        "engine.kv_cache_memory_gib": args.kv_cache_memory_gib, "router.policy": args.routing_policy, "server.api_key": args.api_key,
         "server.tenants": str(Path(args.tenants).resolve()) if args.tenants else None,
     })
     if config.server.tenants and not Path(config.server.tenants).is_absolute():
@@ -239,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
     srv.add_argument("--threads-per-worker", type=_threads_arg, default=None,
                      help="threads per worker, or auto (default): fill the cores each worker is given")
+    srv.add_argument("--kv-cache-memory-gib", type=_gib_arg, default=None, metavar="GIB",
+                     help="KV cache per CPU worker (default 1; vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)")
     srv.add_argument("--address", default=None, help="Ray address to join ('auto' for a running cluster)")
     srv.add_argument("--routing-policy", default=None, metavar="NAME",
                      help="how requests pick workers: cost (default), prefix, least_loaded, round_robin")

@@ -39,6 +39,17 @@ def test_serve_takes_the_policy_on_the_command_line() -> None:
     assert load_config(None).with_overrides(**{"router.policy": args.routing_policy}).router.policy == "least_loaded"
 
 
+def test_serve_takes_the_kv_cache_size_on_the_command_line(capsys) -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-memory-gib", "2.5"])
+    config = load_config(None).with_overrides(**{"engine.kv_cache_memory_gib": args.kv_cache_memory_gib})
+    assert config.engine.kv_cache_memory_gib == 2.5
+    assert build_parser().parse_args(["serve"]).kv_cache_memory_gib is None  # the config's own (1 GiB)
+    for bad in ("0", "-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--kv-cache-memory-gib", bad])
+        assert "must be a positive number of GiB" in capsys.readouterr().err
+
+
 def test_admission_usage_and_server_defaults() -> None:
     c = load_config(None)
     assert (c.admission.policy, c.admission.reserve_fraction, c.admission.queue_timeout_s) == ("reserve", 1.0, 30.0)

@@ -203,3 +203,16 @@ def test_rounds_merge_to_each_figures_median_and_keep_every_round():
 def test_rounds_alternate_their_order():
     names = ["baton-colocated", "vllm", "hf"]
     assert [round_order(names, r) for r in range(3)] == [names, names[::-1], names]
+
+
+def test_baton_gets_the_kv_budget_vllm_gets():
+    from benchmarks.side_by_side import build_specs, parse_args
+
+    args = parse_args(["--vllm-kvcache-gib", "3", "--vllm-venv", "/nonexistent"])
+    for name in ("baton-colocated", "baton-disagg"):
+        argv = build_specs(args, "/m", 8123, name).argv
+        assert argv[argv.index("--kv-cache-memory-gib") + 1] == "3"
+    # and the flag is one baton serve takes
+    from cluster.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--kv-cache-memory-gib", "3"]).kv_cache_memory_gib == 3.0
