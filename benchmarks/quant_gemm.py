@@ -1,7 +1,8 @@
-"""The quantised linear layers against bf16 ``F.linear`` over SmolLM2-135M's layer shapes, one
-forward's worth (30 x qkv, o, gate_up, down + lm_head), at a few row counts.
+"""The quantised linear layers against bf16 and fp32 ``F.linear`` over SmolLM2-135M's layer shapes,
+one forward's worth (30 x qkv, o, gate_up, down + lm_head), at a few row counts.
 
-Columns: bf16 (oneDNN, packed), int8 g32 / int4 g32 / int8 per channel with bf16 activations
+Columns: fp32 ``F.linear`` on the plain weight (MKL packs it on every call) and fp32 through
+``kernels.packed_linear`` (packed once into oneDNN's layout, x86-64), bf16 (oneDNN, packed), int8 g32 / int4 g32 / int8 per channel with bf16 activations
 (on an AVX512_BF16 build the many-row GEMM runs on bf16 dot products), and int8 g32 with fp32
 activations: the fp32 GEMM, which is what bf16 activations ran on before the bf16 GEMM (they
 were widened to fp32 first). Median of ``--repeat`` calls per layer shape, random weights.
@@ -34,17 +35,20 @@ def forward_ms(rows: int, repeat: int) -> dict[str, float]:
     from kernels import packed_linear
     from kernels import quant_linear as ql
 
-    totals = {"bf16": 0.0, "int8_g32": 0.0, "int4_g32": 0.0, "int8_channel": 0.0, "int8_g32_fp32_activations": 0.0}
+    totals = {"fp32": 0.0, "fp32_packed": 0.0, "bf16": 0.0, "int8_g32": 0.0, "int4_g32": 0.0, "int8_channel": 0.0, "int8_g32_fp32_activations": 0.0}
     for (n, k), count in SHAPES.values():
         w = torch.randn(n, k) * 0.05
         wb = w.bfloat16()
         packed = packed_linear.pack(wb)
+        packed_f = packed_linear.pack(w)
         q8, s8 = ql.quantize_int8(w, 32)
         qc, sc = ql.quantize_int8(w, 0)
         q4, s4, m4 = ql.quantize_int4(w, 32)
         x = torch.randn(rows, k).bfloat16()
         xf = x.float()
-        calls = {"bf16": (packed_linear.linear, (x, wb, packed)),
+        calls = {"fp32": (packed_linear.linear, (xf, w, None)),
+                 "fp32_packed": (packed_linear.linear, (xf, w, packed_f)),
+                 "bf16": (packed_linear.linear, (x, wb, packed)),
                  "int8_g32": (ql.linear_int8, (x, q8, s8)),
                  "int4_g32": (ql.linear_int4, (x, q4, s4, m4, 32)),
                  "int8_channel": (ql.linear_int8, (x, qc, sc)),
