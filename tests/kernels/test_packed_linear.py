@@ -85,14 +85,19 @@ def test_no_packing_where_it_does_not_apply(monkeypatch):
     assert torch.equal(packed_linear.linear(x, w, None), F.linear(x, w))
 
 
-@needs_packing
-def test_parallel_linear_layers_use_the_packed_weight():
+def _column_and_row_layers(dtype: torch.dtype) -> tuple[ColumnParallelLinear, RowParallelLinear]:
     ctx = ParallelContext()
-    col = ColumnParallelLinear(24, [16, 8], bias=True, ctx=ctx, dtype=torch.bfloat16)
-    row = RowParallelLinear(24, 12, bias=False, ctx=ctx, dtype=torch.bfloat16)
+    col = ColumnParallelLinear(24, [16, 8], bias=True, ctx=ctx, dtype=dtype)
+    row = RowParallelLinear(24, 12, bias=False, ctx=ctx, dtype=dtype)
     for layer in (col, row):
         for p in layer.parameters():
-            p.data.copy_(torch.randn_like(p, dtype=torch.float32).bfloat16())
+            p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype))
+    return col, row
+
+
+@needs_packing
+def test_parallel_linear_layers_use_the_packed_weight():
+    col, row = _column_and_row_layers(torch.bfloat16)
     x = torch.randn(6, 24).bfloat16()
     plain = (col(x), row(x))
     col.pack_weights()
@@ -103,12 +108,7 @@ def test_parallel_linear_layers_use_the_packed_weight():
 
 @needs_fp32_packing
 def test_packing_releases_the_plain_fp32_weight():
-    ctx = ParallelContext()
-    col = ColumnParallelLinear(24, [16, 8], bias=True, ctx=ctx, dtype=torch.float32)
-    row = RowParallelLinear(24, 12, bias=False, ctx=ctx, dtype=torch.float32)
-    for layer in (col, row):
-        for p in layer.parameters():
-            p.data.copy_(torch.randn_like(p))
+    col, row = _column_and_row_layers(torch.float32)
     x = torch.randn(6, 24)
     plain = (col(x), row(x))
     dense = col.weight.detach().clone()
