@@ -2,7 +2,8 @@
 one forward's worth (30 x qkv, o, gate_up, down + lm_head), at a few row counts.
 
 Columns: fp32 ``F.linear`` on the plain weight (MKL packs it on every call) and fp32 through
-``kernels.packed_linear`` (packed once into oneDNN's layout, x86-64), bf16 (oneDNN, packed), int8 g32 / int4 g32 / int8 per channel with bf16 activations
+``kernels.packed_linear`` (packed once into oneDNN's layout, x86-64), bf16 (oneDNN, packed),
+int8 g32 / int4 g32 / int8 per channel with bf16 activations
 (on an AVX512_BF16 build the many-row GEMM runs on bf16 dot products), and int8 g32 with fp32
 activations: the fp32 GEMM, which is what bf16 activations ran on before the bf16 GEMM (they
 were widened to fp32 first). Median of ``--repeat`` calls per layer shape, random weights.
@@ -35,7 +36,7 @@ def forward_ms(rows: int, repeat: int) -> dict[str, float]:
     from kernels import packed_linear
     from kernels import quant_linear as ql
 
-    totals = {"fp32": 0.0, "fp32_packed": 0.0, "bf16": 0.0, "int8_g32": 0.0, "int4_g32": 0.0, "int8_channel": 0.0, "int8_g32_fp32_activations": 0.0}
+    totals: dict[str, float] = {}
     for (n, k), count in SHAPES.values():
         w = torch.randn(n, k) * 0.05
         wb = w.bfloat16()
@@ -60,7 +61,7 @@ def forward_ms(rows: int, repeat: int) -> dict[str, float]:
                 t = time.perf_counter()
                 fn(*fn_args)
                 times.append(time.perf_counter() - t)
-            totals[name] += statistics.median(times) * count * 1000
+            totals[name] = totals.get(name, 0.0) + statistics.median(times) * count * 1000
     return totals
 
 

@@ -70,7 +70,7 @@ def _gib_arg(value: str) -> float:
         gib = float(value)
     except ValueError:
         gib = 0.0
-    if not gib > 0 or gib != gib or gib == float("inf"):
+    if not 0 < gib < float("inf"):  # NaN fails the comparison too
         raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {value!r}")
     return gib
 
@@ -107,7 +107,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
-        "engine.kv_cache_memory_gib": args.kv_cache_memory_gib, "router.policy": args.routing_policy, "server.api_key": args.api_key,
+        "engine.kv_cache_memory_gib": args.kv_cache_memory_gib, "router.policy": args.routing_policy,
+        "server.api_key": args.api_key,
         "server.tenants": str(Path(args.tenants).resolve()) if args.tenants else None,
     })
     if config.server.tenants and not Path(config.server.tenants).is_absolute():

@@ -6,9 +6,9 @@ multiply itself. Packing at load time skips it:
 - bf16: outputs bit-identical to ``F.linear``, 1.3-2x faster at 1-32 rows and a few percent at
   1024 rows (one core, SmolLM2 shapes).
 - fp32 (x86-64): the same sums in another order (within fp32 rounding of ``F.linear``). SmolLM2's
-  30 layers + lm_head, 2 threads, 2-core Zen 3 (AVX2), medians of 5 interleaved runs, ms:
-  ``F.linear`` 84 / 192 / 273 / 525 / 1483 against packed 59 / 89 / 138 / 337 / 1107 at
-  1 / 8 / 32 / 128 / 512 rows. Not measured on aarch64, which keeps ``F.linear`` in fp32.
+  30 layers + lm_head, 2 threads, 2-core Zen 3 (AVX2): ``F.linear`` 38.3 / 208.7 / 860.2 ms
+  against packed 27.6 / 108.9 / 597.7 at 1 / 32 / 256 rows (``benchmarks/quant_gemm.py``,
+  results/quant_gemm_avx2.json). Not measured on aarch64, which keeps ``F.linear`` in fp32.
 A packed layer drops its plain weight (``FullPrecision.pack``), except the output projection, whose
 rows the logit upcast reads, and a tied embedding. ``BATON_PACKED_LINEAR=0`` turns packing off.
 """
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from kernels import backend
 
 # oneDNN's layout choice depends a little on the row count it is told to expect. bf16: 1 (decode
-# rows are few; larger hints measured the same). fp32: 64 rows was as fast as 1 at one row and
-# 1.4x faster at 8 (16 and 64 measured within a few percent of each other from 8 to 512 rows).
+# rows are few; larger hints measured the same). fp32: 64, which on the Zen 3 was no slower than 1
+# at one row and faster from 8 rows up (16 and 64 came out alike).
 _BATCH_HINT = {torch.bfloat16: 1, torch.float32: 64}
 
 

@@ -75,7 +75,7 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
                        loader: Loader) -> None: ...
 
-    def pack(self, layer: nn.Module, release_plain: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool) -> None:
         """Prepare the loaded weight for the matmul; ``release_plain`` lets a packed copy replace it."""
         ...
 
@@ -105,7 +105,7 @@ class FullPrecision:
         _param(layer, "weight", (out_features, in_features), dtype, loader, 1)
         layer.packed = None
 
-    def pack(self, layer: nn.Module, release_plain: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool) -> None:
         layer.packed = packed_linear.pack(layer.weight)
         if layer.packed is not None and release_plain:
             # the packed copy is the weight from now on: keeping both doubled a model's matmul
@@ -140,7 +140,7 @@ class Int8:
                                  f"group size {g}")
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
 
-    def pack(self, layer: nn.Module, release_plain: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool) -> None:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Int4:
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
         _param(layer, "mins", (out_features, in_features // g), torch.float32, loader, g)
 
-    def pack(self, layer: nn.Module, release_plain: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool) -> None:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
