@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,22 @@ def library_path(sources: Sequence[Path], target: str, cc: str, macros: frozense
     return cache_dir() / f"baton_cpu_{name}_{digest.hexdigest()[:16]}.so"
 
 
+def _compile_and_link(cc: str, target: str, sources: Sequence[Path], out: Path) -> None:
+    """One compiler process per source, as many at once as there are cores (the first start on a
+    new CPU kind waits for the slowest file, not the sum), then one link."""
+    objects = [out.with_name(f"{i}-{Path(src).stem}.o") for i, src in enumerate(sources)]
+
+    def compile_one(src_obj: tuple[Path, Path]) -> None:
+        src, obj = src_obj
+        subprocess.run([cc, *FLAGS, f"-march={target}", "-c", "-o", str(obj), str(src)],
+                       check=True, capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max_workers=max(min(len(sources), os.cpu_count() or 1), 1)) as pool:
+        list(pool.map(compile_one, zip(sources, objects)))
+    subprocess.run([cc, *FLAGS, f"-march={target}", "-o", str(out), *map(str, objects), "-lm"],
+                   check=True, capture_output=True, text=True)
+
+
 def build(sources: Sequence[Path], signatures: Mapping[str, tuple[Any, list[Any]]], target: str) -> ctypes.CDLL:
     """Compile (or reuse the cached build of) ``sources`` for ``-march=target``, load it and set the
     ctypes ``signatures``. Raises ``UnsupportedTarget`` when the build would use, or the cached file
@@ -94,8 +111,7 @@ def build(sources: Sequence[Path], signatures: Mapping[str, tuple[Any, list[Any]
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
             try:
-                subprocess.run([cc, *FLAGS, f"-march={target}", "-o", str(out), *map(str, sources), "-lm"],
-                               check=True, capture_output=True, text=True)
+                _compile_and_link(cc, target, sources, out)
             except (OSError, subprocess.CalledProcessError) as exc:
                 raise KernelBuildError(f"building the CPU kernels failed: {getattr(exc, 'stderr', '') or exc}"
                                        ) from None
