@@ -425,7 +425,7 @@ class PoolClient:
 
             tenant = Tenant(ANONYMOUS)
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
-        demand = KVDemand(wire_id, tenant, len(prompt_token_ids), max_tokens, params.n, priority)
+        demand = KVDemand(wire_id, tenant, len(prompt_token_ids), max_tokens, params.n, priority, tuple(hashes))
         held = await self.admission.reserve(
             demand, lambda: [w.worker_id for w in self.workers.values() if w.alive and w.role == role],
             lambda: keeper.worker_id if keeper.alive else None)

@@ -45,6 +45,9 @@ class KVDemand:
     max_tokens: int
     n: int
     priority: int
+    # Chain hashes of the prompt's full blocks in the worker's cache namespace: reservations naming
+    # the same ones share those blocks in a ledger, as they share them in the worker's cache.
+    prefix_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -211,6 +214,10 @@ class KVAdmission:
         extra = (n - 1) * (math.ceil((demand.prompt_tokens % bs + out) / bs))
         return first + extra
 
+    def _shared(self, demand: KVDemand) -> tuple[bytes, ...]:
+        """The demand's prefix hashes, at most one per full prompt block (every sizing counts those)."""
+        return demand.prefix_hashes[:demand.prompt_tokens // self.block_size]
+
     # ------------------------------------------------------------------ reserve / release
     async def reserve(self, demand: KVDemand, allowed: Callable[[], list[str]],
                       preferred: Callable[[], str | None]) -> Reservation:
@@ -296,7 +303,9 @@ class KVAdmission:
         for wid in allowed:
             ledger = self.ledgers.get(wid)
             if ledger is not None:
-                fits.append(Fit(wid, ledger.available_blocks, len(ledger) == 0))
+                # blocks a live reservation there already pins cost this demand nothing there
+                room = ledger.available_blocks + ledger.shared_blocks(self._shared(demand))
+                fits.append(Fit(wid, room, len(ledger) == 0))
         t = demand.tenant
         blocks = self.blocks_for(demand)
         tenant_ok = (t.max_concurrent_requests is None
@@ -317,7 +326,7 @@ class KVAdmission:
         blocks = self.blocks_for(demand, max_tokens, outcome.n)
         ledger = self.ledgers[outcome.worker_id]
         # Over capacity only when admitted alone in an empty ledger, or by a policy that oversubscribes.
-        ledger.reserve(demand.request_id, blocks, force=True)
+        ledger.reserve(demand.request_id, blocks, force=True, shared=self._shared(demand))
         self._held[demand.request_id] = (outcome.worker_id, blocks, demand.tenant.name)
         name = demand.tenant.name
         self._tenant_blocks[name] = self._tenant_blocks.get(name, 0) + blocks

@@ -104,3 +104,34 @@ def test_both_samples_of_a_failed_shipment_resume_even_when_their_failures_arriv
     assert migrations == 1
     # one migration placed each sample alone, resuming from its first token
     assert sorted((r["index"], r["output_token_ids"]) for _, r in added[1:]) == [(0, [11]), (1, [21])]
+
+
+def test_admission_charges_a_shared_prompt_once_on_the_worker_that_holds_it():
+    """The front names the prompt's block hashes in its KV demand: a second request on the same
+    long prompt is admitted beside the first on the worker holding it, where a worker-sized ledger
+    has room for the prompt once and two tails, instead of spilling to a cold worker."""
+    import dataclasses
+
+    from cluster.admission.kv import KVAdmission
+    from workers.blocks.prefix_hash import CacheNamespace
+
+    ns = dataclasses.asdict(CacheNamespace(model="m", weights_hash="w", block_size=8))
+    refs = [WorkerRef(f"colocated-{i}", "colocated", ScriptedWorker(lambda *a: []),
+                      info={"cache_namespace": ns, "num_blocks": 20, "block_size": 8}) for i in range(2)]
+    admission = KVAdmission({r.worker_id: 20 for r in refs}, block_size=8)
+    pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=256, num_blocks=20, block_size=8),
+                      policy=make_policy("prefix"), admission=admission)
+    prompt, params = list(range(1, 101)), SamplingParams(max_tokens=8)  # 12 full blocks + 4 tokens
+
+    async def run() -> list[str]:
+        placed = []
+        for rid in ("a", "b"):
+            decision, hashes = pool._route(prompt, None, params)
+            assert len(hashes) == 12
+            decision, _, _ = await pool._admit(rid, prompt, None, params, 0, None, decision, hashes)
+            placed.append(decision.first.worker_id)
+        return placed
+
+    a, b = asyncio.run(run())
+    assert a == b  # 14 blocks each, 12 of them shared: 16 of the worker's 20
+    assert admission.ledgers[a].reserved_blocks == 16

@@ -43,6 +43,47 @@ def test_admit_prefers_the_routed_worker_then_any_with_room():
     asyncio.run(run())
 
 
+def test_followers_of_a_held_prefix_are_charged_only_their_own_blocks():
+    """Three requests on one 1,024-token system prompt fit a worker with room for the prompt once
+    and three tails, as they fit its prefix cache; a stranger's prompt of the same length does not,
+    and the prefix's blocks come free only with the last reservation naming them."""
+    prefix = tuple(bytes([i]) for i in range(64))  # 64 blocks of 16 tokens
+
+    def follower(rid: str, hashes=prefix) -> KVDemand:
+        return KVDemand(rid, T, 1024 + 32, 16, 1, 0, hashes)
+
+    async def run() -> None:
+        kv = KVAdmission({"w0": 64 + 3 * 4, "w1": 200}, block_size=16)
+        for rid in ("a", "b", "c"):
+            r = await kv.reserve(follower(rid), lambda: ["w0", "w1"], lambda: "w0")
+            assert r.worker_id == "w0" and r.blocks == 67  # asked for whole, held once
+        assert kv.ledgers["w0"].reserved_blocks == 64 + 3 * 3 and kv.ledgers["w0"].available_blocks == 3
+        stranger = tuple(bytes([i, 1]) for i in range(64))
+        r = await kv.reserve(follower("x", stranger), lambda: ["w0", "w1"], lambda: "w0")
+        assert r.worker_id == "w1"  # its prompt is not held on w0: it needs 67 blocks there
+        kv.release("a")
+        kv.release("b")
+        assert kv.ledgers["w0"].reserved_blocks == 64 + 3
+        kv.release("c")
+        assert kv.ledgers["w0"].reserved_blocks == 0
+
+    asyncio.run(run())
+
+
+def test_prefix_hashes_never_count_past_the_prompt():
+    """Hashes beyond the prompt's full blocks (a caller's bug, another block size) are cut, so a
+    reservation never claims to share more than it holds."""
+    async def run() -> None:
+        kv = KVAdmission({"w": 100}, block_size=16)
+        hashes = tuple(bytes([i]) for i in range(10))
+        await kv.reserve(KVDemand("a", T, 40, 8, 1, 0, hashes), lambda: ["w"], lambda: "w")
+        assert kv.ledgers["w"].reserved_blocks == 3  # ceil(48 / 16), two of them shared
+        await kv.reserve(KVDemand("b", T, 40, 8, 1, 0, hashes), lambda: ["w"], lambda: "w")
+        assert kv.ledgers["w"].reserved_blocks == 4
+
+    asyncio.run(run())
+
+
 def test_queue_then_admit_in_priority_order_and_deadline():
     async def run() -> None:
         kv = KVAdmission({"w": 4}, block_size=16, queue_timeout_s=5)
