@@ -3,7 +3,9 @@
 After tokenization and routing the exact prompt length is known. The request's worst case (prompt
 plus ``max_tokens`` per sample, or ``reserve_fraction`` of the output part, preemption being the
 safety net) is reserved in the ledger of the decode (or colocated) worker it was routed to, within
-its tenant's KV-block budget and concurrency limit. Reservation is not allocation: the worker's
+its tenant's KV-block budget and concurrency limit. The prompt's full blocks, named by their
+chain hashes, are charged once per ledger however many live reservations share them (the worker's
+prefix cache holds them once); tenant budgets still count each request's whole demand. Reservation is not allocation: the worker's
 scheduler still allocates blocks tick by tick; the ledger only keeps admitted work from
 oversubscribing the cache. The outcome comes from an admission policy chosen by name
 (``admission_policies``): admit, queue (bounded per priority class, with a deadline), degrade
