@@ -5,9 +5,9 @@ plus ``max_tokens`` per sample, or ``reserve_fraction`` of the output part, pree
 safety net) is reserved in the ledger of the decode (or colocated) worker it was routed to, within
 its tenant's KV-block budget and concurrency limit. The prompt's full blocks, named by their
 chain hashes, are charged once per ledger however many live reservations share them (the worker's
-prefix cache holds them once); tenant budgets still count each request's whole demand. Reservation is not allocation: the worker's
-scheduler still allocates blocks tick by tick; the ledger only keeps admitted work from
-oversubscribing the cache. The outcome comes from an admission policy chosen by name
+prefix cache holds them once); tenant budgets still count each request's whole demand.
+Reservation is not allocation: the worker's scheduler still allocates blocks tick by tick; the
+ledger only keeps admitted work from oversubscribing the cache. The outcome comes from an admission policy chosen by name
 (``admission_policies``): admit, queue (bounded per priority class, with a deadline), degrade
 (``max_tokens`` capped to what fits, when the tenant allows it), or reject (429 with a
 ``Retry-After`` from the measured drain rate).
@@ -302,11 +302,12 @@ class KVAdmission:
 
     def _decide(self, demand: KVDemand, allowed: list[str], preferred: str | None) -> Outcome:
         fits = []
+        shared = self._shared(demand)
         for wid in allowed:
             ledger = self.ledgers.get(wid)
             if ledger is not None:
                 # blocks a live reservation there already pins cost this demand nothing there
-                room = ledger.available_blocks + ledger.shared_blocks(self._shared(demand))
+                room = ledger.available_blocks + ledger.shared_blocks(shared)
                 fits.append(Fit(wid, room, len(ledger) == 0))
         t = demand.tenant
         blocks = self.blocks_for(demand)
