@@ -39,6 +39,11 @@ class WorkerLoad:
     prefill: LinearCost = field(default_factory=LinearCost)
     decode: LinearCost = field(default_factory=lambda: LinearCost(fallback="fixed"))
     ship: LinearCost = field(default_factory=lambda: LinearCost(min_units=1024.0))
+    # Workers naming one board take turns at its cores (workers.actor.core_share): a step asks for
+    # ``step_threads`` of them. Empty on hardware of the worker's own (a GPU, a reserved CPU).
+    core_board: str = ""
+    board_cores: int = 0
+    step_threads: int = 1
 
     def update(self, stats: dict[str, Any]) -> None:
         self.num_running = int(stats.get("num_running", 0))
@@ -52,7 +57,11 @@ class WorkerLoad:
                              prefill_s)
         self.decode.observe(stats.get("num_decode_steps", 0), stats.get("num_decode_tokens_computed", 0),
                             max(float(stats.get("busy_seconds", 0.0)) - prefill_s, 0.0))
-        transfer = (stats.get("extra") or {}).get("kv_transfer") or {}
+        extra = stats.get("extra") or {}
+        share = extra.get("core_share") or {}
+        self.core_board, self.board_cores = str(share.get("board", "")), int(share.get("cores", 0))
+        self.step_threads = max(int(share.get("threads", 1)), 1)
+        transfer = extra.get("kv_transfer") or {}
         if "shipments" in transfer:
             self.ship.observe(transfer["shipments"], transfer.get("bytes", 0), transfer.get("ship_seconds", 0.0))
 

@@ -141,6 +141,11 @@ def test_shared_prefixes_land_where_their_blocks_are(four_workers, policy):
     for w in cluster.workers:
         assert metrics.registry.get_sample_value("baton:router_index_stale",
                                                  {"role": w.role, "worker": w.worker_id}) == 0
+    if cluster._board is not None:  # four workers take turns at this machine's cores: the router knows it
+        boards = {(w.load.core_board, w.load.board_cores) for w in cluster.workers}
+        assert len(boards) == 1, boards
+        board, cores = boards.pop()
+        assert board.endswith(str(cluster._board)) and cores >= 1
 
 
 def test_a_short_tail_is_prefilled_on_the_decode_worker_that_holds_its_prefix(four_workers, tiny_model_dir):

@@ -260,7 +260,10 @@ class Worker:
         share = self.engine.core_share
         out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent,
                                         "shipments": self.shipments, "ship_seconds": self.ship_seconds},
-                        "core_wait_seconds": share.wait_seconds if share is not None else 0.0}
+                        "core_wait_seconds": share.wait_seconds if share is not None else 0.0,
+                        # routers price the turns workers on one board take at its cores
+                        "core_share": ({"board": f"{node_id()}:{share.path}", "cores": share.cores,
+                                        "threads": share.threads} if share is not None else None)}
         out["alive"] = self.engine.is_alive
         for connector in self._connectors.values():
             out.update(connector.stats())  # pair_groups, mapped_peer_caches
