@@ -176,6 +176,9 @@ class RouterSection(BaseModel):
                                 "the sequences decoding on the same worker")
     work_weight: float = Field(1.0, ge=0, description="cost: weight of the delay a prefill's uncached "
                                "tokens inflict on the requests that queue behind it")
+    share_weight: float = Field(1.0, ge=0, description="cost: weight of the turns a worker woken on cores "
+                                "it shares takes from the busy ones there (0: price every worker as if "
+                                "its cores were its own)")
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")
@@ -193,6 +196,7 @@ class RouterSection(BaseModel):
 
         if self.policy == "cost":
             return make_policy("cost", stall_weight=self.stall_weight, work_weight=self.work_weight,
+                               share_weight=self.share_weight,
                                conditional_disaggregation=self.conditional_disaggregation)
         return make_policy(self.policy)
 

@@ -18,6 +18,14 @@ arrival there. Each uncached token's compute counts once more, times the weight.
 needs beyond the worker's empty room evict cached ones, each worth its prefill again should its
 prefix come back. Among workers that hold nothing of a prompt, that sends a new prefix where it
 displaces least, so prefixes spread over the caches instead of crowding one by chance.
+
+Workers that take turns at one board's cores (``workers.actor.core_share``: several workers on a
+machine with fewer cores than their threads) are not independent hardware: a step waits while the
+board's other busy workers hold the cores. Their estimates stretch by the threads stepping on the
+board over its cores (``share_factor``), and waking an idle worker there costs the requests of the
+busy ones the turns it takes (``wake_s``, times ``share_weight``; 0 turns both off): a decode
+batch one worker already steps grows for less than a second worker's steps would take from
+everyone. On hardware of a worker's own (a GPU, reserved cores) both are neutral.
 """
 
 from __future__ import annotations
@@ -56,10 +64,12 @@ def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]
 class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
-    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0) -> None:
+    def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
+                 share_weight: float = 1.0) -> None:
         self.stall_weight = stall_weight
         self.work_weight = work_weight
         self.evict_weight = evict_weight
+        self.share_weight = share_weight
 
     def prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
         f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
@@ -73,7 +83,8 @@ class CostModel:
 
     def ttft_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         uncached = max(request.prompt_len - matched_blocks * request.block_size, 1)
-        return self.queue_s(worker, pool) + self.prefill_s(worker, uncached, pool)
+        stepping = self.queue_s(worker, pool) + self.prefill_s(worker, uncached, pool)
+        return stepping * self.share_factor(worker, stepping, pool)
 
     def ship_s(self, prefill: Any, request: RouteRequest, decode_matched: int, pool: list[Any]) -> float:
         blocks = max(request.num_blocks - decode_matched, 0)
@@ -84,6 +95,11 @@ class CostModel:
         running = worker.load.running + 1
         f = _fit(worker, "decode", pool, PRIOR_DECODE)
         return f.fixed + f.per_unit * running
+
+    def decode_s(self, worker: Any, tokens: int, pool: list[Any]) -> float:
+        """``tokens`` decode steps on ``worker`` with one more sequence running, turns included."""
+        stepping = tokens * self.itl_s(worker, pool)
+        return stepping * self.share_factor(worker, stepping, pool)
 
     def room_penalty_s(self, worker: Any, request: RouteRequest, matched_blocks: int) -> float:
         needed = math.ceil((request.prompt_len + request.max_tokens) / request.block_size) - matched_blocks
@@ -124,3 +140,46 @@ class CostModel:
             return 0.0
         f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
         return self.evict_weight * f.per_unit * evicted * request.block_size
+
+    # ------------------------------------------------------------------ cores shared on a board
+    def busy_s(self, worker: Any, horizon_s: float, pool: list[Any]) -> float:
+        """How much of the next ``horizon_s`` seconds ``worker`` steps: all of it while it decodes,
+        else its queued prefill."""
+        if worker.role != "prefill" and worker.load.running > 0:
+            return horizon_s
+        return min(self.queue_s(worker, pool), horizon_s)
+
+    def share_factor(self, worker: Any, seconds: float, pool: list[Any]) -> float:
+        """How much longer ``seconds`` of stepping on ``worker`` take for turns at cores it shares:
+        the threads stepping on its board meanwhile over the board's cores (1 on cores of its own)."""
+        others = _board_mates(worker, pool)
+        if not others or seconds <= 0 or self.share_weight == 0:
+            return 1.0
+        threads = worker.load.step_threads + self._contention(others, seconds, pool)
+        return max(1.0, threads / worker.load.board_cores)
+
+    def wake_s(self, worker: Any, seconds: float, pool: list[Any]) -> float:
+        """What ``seconds`` of stepping on an idle ``worker`` cost the requests of the busy workers
+        on its board: their steps slow by the turns it takes (0 where it is busy already)."""
+        others = _board_mates(worker, pool)
+        load = worker.load
+        if self.share_weight == 0 or not others or seconds <= 0 or load.running > 0 or load.pending_prefill > 0:
+            return 0.0
+        contention = self._contention(others, seconds, pool)
+        before = max(1.0, contention / load.board_cores)
+        after = max(1.0, (contention + load.step_threads) / load.board_cores)
+        if after <= before:
+            return 0.0
+        delayed = sum(max(w.load.running, 1) * self.busy_s(w, seconds, pool) for w in others)
+        return self.share_weight * (after / before - 1) * delayed
+
+    def _contention(self, others: list[Any], horizon_s: float, pool: list[Any]) -> float:
+        """Threads the board's other workers step with, averaged over the horizon."""
+        return sum(w.load.step_threads * self.busy_s(w, horizon_s, pool) for w in others) / horizon_s
+
+
+def _board_mates(worker: Any, pool: Iterable[Any]) -> list[Any]:
+    board = worker.load.core_board
+    if not board or worker.load.board_cores <= 0:
+        return []
+    return [w for w in pool if w is not worker and w.load.core_board == board]

@@ -4,7 +4,8 @@ For every pair: the prefill worker's time to first token (its queue plus the pro
 does not hold) + the KV shipment (the blocks the decode worker does not hold) + the output at the
 decode worker's step time with one more sequence + the uncached prefill once more, for the
 requests that will queue behind it (``work_weight``) + the cached blocks it would evict there,
-at their prefill cost (``evict_weight``). A prefix match is worth the prefill it saves
+at their prefill cost (``evict_weight``) + on workers that take turns at shared cores, the turns
+a worker it wakes takes from the busy ones (``share_weight``). A prefix match is worth the prefill it saves
 (twice, with the default weight), so a holder loses the request only when its queue costs more
 than that: no hotspot, and no cold copy of a prefix for a queue a step deep.
 
@@ -32,9 +33,9 @@ class CompletionCost(RoutingPolicy):
     name = "cost"
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
-                 conditional_disaggregation: bool = True, tie_tolerance: float = 0.01,
+                 share_weight: float = 1.0, conditional_disaggregation: bool = True, tie_tolerance: float = 0.01,
                  seed: int | None = None) -> None:
-        self.model = CostModel(stall_weight, work_weight, evict_weight)
+        self.model = CostModel(stall_weight, work_weight, evict_weight, share_weight)
         self.conditional_disaggregation = conditional_disaggregation
         self.tie_tolerance = tie_tolerance
         self._rng = random.Random(seed)
@@ -48,22 +49,24 @@ class CompletionCost(RoutingPolicy):
             for w in candidates.first:
                 hit = candidates.matched(w)
                 ttft = m.ttft_s(w, request, hit, pool)
-                cost = (ttft + out * m.itl_s(w, pool) + m.stall_s(w, request, hit, pool)
+                decoding = m.decode_s(w, out, pool)
+                cost = (ttft + decoding + m.stall_s(w, request, hit, pool) + m.wake_s(w, ttft + decoding, pool)
                         + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit)
                         + m.evict_s(w, request, hit, candidates.cached(w), pool))
                 options.append((cost, ttft, w, None))
         else:
-            decode_s = {d.worker_id: out * m.itl_s(d, pool) for d in candidates.decode}
+            decode_s = {d.worker_id: m.decode_s(d, out, pool) for d in candidates.decode}
+            wake_s = {d.worker_id: m.wake_s(d, decode_s[d.worker_id], pool) for d in candidates.decode}
             for p in candidates.first:
                 ttft = m.ttft_s(p, request, candidates.matched(p), pool)
                 # the prompt's KV stays cached where it was prefilled: its evictions count there
-                work = (m.work_s(p, request, candidates.matched(p), pool)
+                work = (m.work_s(p, request, candidates.matched(p), pool) + m.wake_s(p, ttft, pool)
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), candidates.matched(p),
                                     candidates.cached(p), pool))
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
-                            + m.room_penalty_s(d, request, hit_d))
+                            + wake_s[d.worker_id] + m.room_penalty_s(d, request, hit_d))
                     options.append((cost, ttft, p, d))
             if self.conditional_disaggregation:
                 for d in candidates.decode:
@@ -74,6 +77,7 @@ class CompletionCost(RoutingPolicy):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
+                            + m.wake_s(d, ttft + decode_s[d.worker_id], pool)
                             + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d)
                             + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
                     options.append((cost, ttft, d, None))

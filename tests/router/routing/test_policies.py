@@ -9,6 +9,7 @@ import pytest
 
 from router.prefix_index import PrefixIndex
 from router.routing import Candidates, RouteRequest, WorkerLoad, make_policy, policy_names
+from router.routing.cost_model import CostModel
 from router.routing.rates import LinearCost
 
 BS = 16
@@ -167,7 +168,6 @@ def test_the_eviction_price_never_outweighs_a_holder_of_the_prefix() -> None:
 
 
 def test_the_eviction_price_counts_only_blocks_beyond_the_empty_room() -> None:
-    from router.routing.cost_model import CostModel
 
     m, w = CostModel(), _worker("w0", free_blocks=100)  # prefill fit: 1/2000 s per token
     req = _request(1024, max_tokens=0)  # 64 blocks
@@ -267,3 +267,78 @@ def test_a_holder_one_prefill_deep_keeps_its_prefix_rather_than_a_cold_copy_bein
     assert pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p0"
     p[0].load.reported_pending_prefill = 3000
     assert pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p1"
+
+
+# ---------------------------------------------------------------------- cost, on cores shared on a board
+def _on_board(workers: list[Fake], cores: int = 2, board: str = "node:/dev/shm/baton-cores-x") -> list[Fake]:
+    for w in workers:
+        w.load.core_board, w.load.board_cores, w.load.step_threads = board, cores, 1
+    return workers
+
+
+def _two_by_two(d0_running: int = 4) -> tuple[list[Fake], list[Fake]]:
+    # p0 prefills a queue of 400 tokens (0.2 s), d0 decodes, p1 and d1 are idle
+    p = [_worker("p0", pending=400, outstanding=1), _worker("p1")]
+    d = [_worker("d0", "decode", running=d0_running), _worker("d1", "decode")]
+    return p, d
+
+
+def test_a_stats_snapshot_names_the_board_a_worker_takes_turns_at() -> None:
+    load = WorkerLoad()
+    load.update({"extra": {"core_share": {"board": "n1:/dev/shm/b", "cores": 2, "threads": 1}}})
+    assert (load.core_board, load.board_cores, load.step_threads) == ("n1:/dev/shm/b", 2, 1)
+    load.update({"extra": {"core_share": None}})  # cores of its own (a restarted worker may differ)
+    assert load.core_board == "" and load.board_cores == 0
+
+
+def test_the_share_factor_counts_the_threads_stepping_on_the_board_over_its_cores() -> None:
+    m = CostModel()
+    p, d = _two_by_two()
+    pool = _on_board(p + d)
+    # d1 decoding beside d0 (decoding all along) and p0 (busy 0.2 s of the 0.4): 2.5 threads, 2 cores
+    assert m.share_factor(d[1], 0.4, pool) == pytest.approx((1 + 1 + 0.5) / 2)
+    assert m.share_factor(d[1], 0.1, pool) == pytest.approx(1.5)  # p0 busy all of a short horizon
+    assert m.share_factor(d[0], 0.4, pool) == pytest.approx(1.0)  # d0 and half of p0: room for both
+    assert CostModel(share_weight=0).share_factor(d[1], 0.4, pool) == 1.0
+    assert m.share_factor(d[1], 0.4, _on_board(p + d, cores=4)) == 1.0
+    p, d = _two_by_two()
+    assert m.share_factor(d[1], 0.4, p + d) == 1.0  # cores of their own
+    assert m.share_factor(d[1], 0.4, p + d[:1] + _on_board([d[1]])) == 1.0  # nobody else on its board
+
+
+def test_waking_an_idle_worker_on_a_full_board_costs_the_busy_ones_their_turns() -> None:
+    m = CostModel()
+    p, d = _two_by_two()
+    assert m.wake_s(d[1], 0.4, p + d) == 0.0  # cores of their own
+    pool = _on_board(p + d)
+    # before: 1.5 threads on 2 cores (no wait); after: 2.5 (each step 1.25x): d0's 4 sequences for
+    # 0.4 s and p0's request for its 0.2 s are delayed by a quarter
+    assert m.wake_s(d[1], 0.4, pool) == pytest.approx(0.25 * (4 * 0.4 + 1 * 0.2))
+    assert m.wake_s(d[0], 0.4, pool) == 0.0  # busy already: it takes no turn it does not take now
+    assert CostModel(share_weight=0).wake_s(d[1], 0.4, pool) == 0.0
+    p[0].load.reported_pending_prefill = 0  # d0 alone: two steps fit two cores
+    assert m.wake_s(d[1], 0.4, pool) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cost_grows_the_batch_a_worker_steps_rather_than_wake_one_on_a_full_board(seed: int) -> None:
+    pol = make_policy("cost", seed=seed, conditional_disaggregation=False)
+    p, d = _two_by_two()
+    held = {"p0": 63, "p1": 63}
+    assert pol.route(_request(), Candidates(p, d, held)).decode.worker_id == "d1"  # cores of their own
+    _on_board(p + d)
+    assert pol.route(_request(), Candidates(p, d, held)).decode.worker_id == "d0"
+    blind = make_policy("cost", seed=seed, conditional_disaggregation=False, share_weight=0)
+    assert blind.route(_request(), Candidates(p, d, held)).decode.worker_id == "d1"
+    p[0].load.reported_pending_prefill = 0  # room on the board for one more step: the idle one again
+    assert pol.route(_request(), Candidates(p, d, held)).decode.worker_id == "d1"
+
+
+def test_a_board_stretches_the_ttft_estimate_by_the_turns_the_prefill_waits_for() -> None:
+    pol = make_policy("cost", seed=0)
+    p = [_worker("p0")]
+    d = [_worker("d0", "decode", running=4), _worker("d1", "decode", running=4)]
+    alone = pol.route(_request(), Candidates(p, d, {"p0": 63})).estimated_ttft_s
+    _on_board(p + d)
+    shared = pol.route(_request(), Candidates(p, d, {"p0": 63})).estimated_ttft_s
+    assert shared == pytest.approx(1.5 * alone)  # three single-thread steps on two cores
