@@ -55,6 +55,19 @@ def _router_view(registry: Any, policy: str) -> dict[str, Any]:
     return {"decisions": reasons, "ttft_measured_over_estimated_median_le": median}
 
 
+def policy_config(spec: str) -> dict[str, Any]:
+    """``[router]`` settings from a policy spec: a name, or ``name:option=value,...`` (a variant,
+    e.g. ``cost:share_weight=0``) compared in the same run as the name alone."""
+    name, _, options = spec.partition(":")
+    router: dict[str, Any] = {"policy": name}
+    for item in filter(None, options.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"policy option {item!r} is not key=value")
+        router[key] = json.loads(value) if value not in ("", "nan") else value
+    return router
+
+
 def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -> dict[str, Any]:
     from cluster.bench.metrics import SLO
     from cluster.bench.runner import BenchConfig, run_async
@@ -66,7 +79,7 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -
     config = ClusterConfig.model_validate({
         "engine": {"dtype": args.dtype, "threads_per_worker": args.threads_per_worker,
                    "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_batched_tokens": 1024},
-        "pools": LAYOUTS[layout], "router": {"policy": policy}, "ray": {"num_cpus": os.cpu_count()},
+        "pools": LAYOUTS[layout], "router": policy_config(policy), "ray": {"num_cpus": os.cpu_count()},
     })
     wl = WorkloadConfig(name="shared-prefix", input_len=LengthDist(args.suffix_len),
                         output_len=LengthDist(args.output_len), num_prefixes=args.num_prefixes,
@@ -90,7 +103,7 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -
                 "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
                 "prefix_hit_rate", "cached_tokens_reported", "request_goodput", "slo_attainment")
         out = {k: s.get(k) for k in keys}
-        out.update(_router_view(dep.metrics.registry, policy))
+        out.update(_router_view(dep.metrics.registry, policy.partition(":")[0]))
         out["wall_s"] = time.monotonic() - started
         return out
     finally:
@@ -151,7 +164,9 @@ def markdown(results: list[dict[str, Any]], summary: dict[str, Any], args: argpa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="policy names, or variants as name:option=value (e.g. cost:share_weight=0), "
+                         "separated by commas or semicolons (a variant of several options)")
     ap.add_argument("--workloads", default="shared-prefix,skewed")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--num-prefixes", type=int, default=8)
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for layout in args.layouts.split(","):
         for workload in args.workloads.split(","):
-            for policy in args.policies.split(","):
+            for policy in _policy_specs(args.policies):
                 print(f"routing: {layout} / {workload} / {policy}", file=sys.stderr, flush=True)
                 row = {"layout": layout, "workload": workload, "policy": policy}
                 try:
@@ -197,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
         Path(args.out).with_suffix(".md").write_text(text + "\n")
     return 0
+
+
+def _policy_specs(text: str) -> list[str]:
+    if ";" in text:
+        return [p.strip() for p in text.split(";") if p.strip()]
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def _cpu_model() -> str:
