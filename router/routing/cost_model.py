@@ -22,10 +22,12 @@ displaces least, so prefixes spread over the caches instead of crowding one by c
 Workers that take turns at one board's cores (``workers.actor.core_share``: several workers on a
 machine with fewer cores than their threads) are not independent hardware: a step waits while the
 board's other busy workers hold the cores. Their estimates stretch by the threads stepping on the
-board over its cores (``share_factor``), and waking an idle worker there costs the requests of the
-busy ones the turns it takes (``wake_s``, times ``share_weight``; 0 turns both off): a decode
-batch one worker already steps grows for less than a second worker's steps would take from
-everyone. On hardware of a worker's own (a GPU, reserved cores) both are neutral.
+board over its cores (``share_factor``); waking an idle worker there costs the requests of the
+busy ones the turns it takes (``wake_s``), and a prefill on a busy one costs them the chunk's time
+(``mates_stall_s``), both times ``share_weight`` (0 turns all three off). A decode batch one
+worker already steps grows for less than a second worker's steps would take from everyone, and a
+cold copy of a prefix on a full board is paid by every request stepping there, not only by the
+ones that queue behind it. On hardware of a worker's own (a GPU, reserved cores) all are neutral.
 """
 
 from __future__ import annotations
@@ -172,6 +174,21 @@ class CostModel:
             return 0.0
         delayed = sum(max(w.load.running, 1) * self.busy_s(w, seconds, pool) for w in others)
         return self.share_weight * (after / before - 1) * delayed
+
+    def mates_stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
+        """What prefilling here costs the requests of the board mates stepping meanwhile, on a busy
+        ``worker`` (an idle one's turns are ``wake_s``): on a full board each waits for the chunk."""
+        others = _board_mates(worker, pool)
+        load = worker.load
+        if self.share_weight == 0 or not others or (load.running == 0 and load.pending_prefill == 0):
+            return 0.0
+        seconds = self.prefill_s(worker, max(request.prompt_len - matched_blocks * request.block_size, 1), pool)
+        # the chunk's threads that do not fit beside the mates' take cores from them
+        excess = self._contention(others, seconds, pool) + load.step_threads - load.board_cores
+        if excess <= 0:
+            return 0.0
+        delayed = sum(max(w.load.running, 1) * self.busy_s(w, seconds, pool) for w in others)
+        return self.share_weight * min(excess, load.step_threads) / load.board_cores * delayed
 
     def _contention(self, others: list[Any], horizon_s: float, pool: list[Any]) -> float:
         """Threads the board's other workers step with, averaged over the horizon."""

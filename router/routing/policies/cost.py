@@ -5,9 +5,10 @@ does not hold) + the KV shipment (the blocks the decode worker does not hold) + 
 decode worker's step time with one more sequence + the uncached prefill once more, for the
 requests that will queue behind it (``work_weight``) + the cached blocks it would evict there,
 at their prefill cost (``evict_weight``) + on workers that take turns at shared cores, the turns
-a worker it wakes takes from the busy ones (``share_weight``). A prefix match is worth the prefill it saves
-(twice, with the default weight), so a holder loses the request only when its queue costs more
-than that: no hotspot, and no cold copy of a prefix for a queue a step deep.
+a worker it wakes, or the prefill it adds, takes from the busy ones (``share_weight``). A prefix
+match is worth the prefill it saves (twice, with the default weight), so a holder loses the
+request only when its queue costs more than that: no hotspot, and no cold copy of a prefix for a
+queue a step deep.
 
 Conditional disaggregation: a decode worker may also prefill the prompt itself (nothing shipped)
 when the part of the prompt it lacks takes no longer to compute there than the shipment it saves
@@ -51,6 +52,7 @@ class CompletionCost(RoutingPolicy):
                 ttft = m.ttft_s(w, request, hit, pool)
                 decoding = m.decode_s(w, out, pool)
                 cost = (ttft + decoding + m.stall_s(w, request, hit, pool) + m.wake_s(w, ttft + decoding, pool)
+                        + m.mates_stall_s(w, request, hit, pool)
                         + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit)
                         + m.evict_s(w, request, hit, candidates.cached(w), pool))
                 options.append((cost, ttft, w, None))
@@ -61,6 +63,7 @@ class CompletionCost(RoutingPolicy):
                 ttft = m.ttft_s(p, request, candidates.matched(p), pool)
                 # the prompt's KV stays cached where it was prefilled: its evictions count there
                 work = (m.work_s(p, request, candidates.matched(p), pool) + m.wake_s(p, ttft, pool)
+                        + m.mates_stall_s(p, request, candidates.matched(p), pool)
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), candidates.matched(p),
                                     candidates.cached(p), pool))
                 for d in candidates.decode:
@@ -77,6 +80,7 @@ class CompletionCost(RoutingPolicy):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
+                            + m.mates_stall_s(d, request, hit_d, pool)
                             + m.wake_s(d, ttft + decode_s[d.worker_id], pool)
                             + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d)
                             + m.evict_s(d, request, hit_d, candidates.cached(d), pool))

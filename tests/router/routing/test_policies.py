@@ -320,6 +320,40 @@ def test_waking_an_idle_worker_on_a_full_board_costs_the_busy_ones_their_turns()
     assert m.wake_s(d[1], 0.4, pool) == 0.0
 
 
+def test_a_prefill_on_a_busy_worker_of_a_full_board_costs_the_mates_requests_its_chunk() -> None:
+    m = CostModel()
+    p, d = _two_by_two()
+    d[1].load.num_running = 2
+    whole, tail = 0.005 + 1024 / 2000, 0.005 + 16 / 2000  # the prompt cold, and past 63 held blocks
+    assert m.mates_stall_s(p[0], _request(), 0, p + d) == 0.0  # cores of their own
+    pool = _on_board(p + d)
+    # d0 and d1 decode all along: with p0's chunk 3 threads on 2 cores, so half of it takes theirs
+    assert m.mates_stall_s(p[0], _request(), 0, pool) == pytest.approx(0.5 * (4 + 2) * whole)
+    assert m.mates_stall_s(p[0], _request(), 63, pool) == pytest.approx(0.5 * (4 + 2) * tail)
+    assert m.mates_stall_s(p[1], _request(), 0, pool) == 0.0  # idle: its turns are wake_s
+    assert CostModel(share_weight=0).mates_stall_s(p[0], _request(), 0, pool) == 0.0
+    d[1].load.num_running = 0  # d0 alone beside p0: both fit
+    assert m.mates_stall_s(p[0], _request(), 0, pool) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_on_a_full_board_a_busy_holder_keeps_its_prefix_longer_than_on_cores_of_its_own(seed: int) -> None:
+    def workers(pending: int) -> list[Fake]:
+        return [_worker("c0", "colocated", pending=pending, running=4), _worker("c1", "colocated", running=1),
+                _worker("c2", "colocated", running=1)]
+
+    pol, blind = make_policy("cost", seed=seed), make_policy("cost", seed=seed, share_weight=0)
+    # c0's queue (3000 tokens, 1.5 s) is a hotspot on its own cores: a busy worker copies the prefix
+    assert pol.route(_request(), Candidates(workers(3000), [], {"c0": 63})).first.worker_id != "c0"
+    # on one board the cold copy's 1k tokens hold up the mates' sequences: the holder keeps it
+    shared = _on_board(workers(3000))
+    assert pol.route(_request(), Candidates(shared, [], {"c0": 63})).first.worker_id == "c0"
+    assert blind.route(_request(), Candidates(shared, [], {"c0": 63})).first.worker_id != "c0"
+    # a deeper queue is a hotspot there too
+    deeper = _on_board(workers(5000))
+    assert pol.route(_request(), Candidates(deeper, [], {"c0": 63})).first.worker_id != "c0"
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_cost_grows_the_batch_a_worker_steps_rather_than_wake_one_on_a_full_board(seed: int) -> None:
     pol = make_policy("cost", seed=seed, conditional_disaggregation=False)
