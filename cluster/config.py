@@ -176,9 +176,9 @@ class RouterSection(BaseModel):
                                 "the sequences decoding on the same worker")
     work_weight: float = Field(1.0, ge=0, description="cost: weight of the delay a prefill's uncached "
                                "tokens inflict on the requests that queue behind it")
-    share_weight: float = Field(1.0, ge=0, description="cost: weight of the turns a worker woken on cores "
-                                "it shares takes from the busy ones there (0: price every worker as if "
-                                "its cores were its own)")
+    share_weight: float = Field(1.0, ge=0, description="cost: weight of the core time a request adds on cores "
+                                "workers share, taken from the other workers' requests there (0: price "
+                                "every worker as if its cores were its own)")
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")

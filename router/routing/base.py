@@ -10,6 +10,7 @@ worker). Policies never see a worker's scheduler or call a worker.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -44,8 +45,12 @@ class WorkerLoad:
     core_board: str = ""
     board_cores: int = 0
     step_threads: int = 1
+    # Share of the recent time it stepped or waited for its turn at the cores: how often it wants
+    # them, idle or busy this instant (an average over stats intervals, the newest weighing half).
+    demand: float = 0.0
+    _wanted_last: tuple[float, float] | None = field(default=None, repr=False)
 
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: dict[str, Any], now: float | None = None) -> None:
         self.num_running = int(stats.get("num_running", 0))
         self.num_waiting = int(stats.get("num_waiting", 0))
         self.kv_cache_usage = float(stats.get("kv_cache_usage", 0.0))
@@ -61,9 +66,18 @@ class WorkerLoad:
         share = extra.get("core_share") or {}
         self.core_board, self.board_cores = str(share.get("board", "")), int(share.get("cores", 0))
         self.step_threads = max(int(share.get("threads", 1)), 1)
+        self._observe_demand(float(stats.get("busy_seconds", 0.0)) + float(extra.get("core_wait_seconds", 0.0)),
+                             time.monotonic() if now is None else now)
         transfer = extra.get("kv_transfer") or {}
         if "shipments" in transfer:
             self.ship.observe(transfer["shipments"], transfer.get("bytes", 0), transfer.get("ship_seconds", 0.0))
+
+    def _observe_demand(self, wanted_s: float, now: float) -> None:
+        last, self._wanted_last = self._wanted_last, (wanted_s, now)
+        if last is None or now <= last[1] or wanted_s < last[0]:  # first report, or restarted
+            return
+        share = min((wanted_s - last[0]) / (now - last[1]), 1.0)
+        self.demand = 0.5 * self.demand + 0.5 * share
 
     @property
     def pending_prefill(self) -> int:

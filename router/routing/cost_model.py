@@ -9,7 +9,9 @@ decoding            = output tokens x the decode worker's step time with one mor
 A worker that has not done the work yet borrows the mean fit of those that have; before any has,
 a prior stands in (the first requests of a deployment only). ``stall_weight`` prices the delay a
 prefill on a busy worker inflicts on the sequences decoding there: a decode worker prefilling
-locally, or a colocated worker, pays its prefill time once per running sequence, times the weight.
+locally, or a colocated worker, pays the time the prompt's tokens add to its steps (their
+per-token part: the steps happen for its running sequences anyway) once per sequence, times the
+weight.
 ``work_weight`` prices the delay a prefill inflicts on the requests that will queue behind it: a
 request's own TTFT alone would send a prompt to an idle worker that must compute it all rather
 than to a holder of its prefix that is busy for about as long, and the cold copy costs every later
@@ -22,12 +24,13 @@ displaces least, so prefixes spread over the caches instead of crowding one by c
 Workers that take turns at one board's cores (``workers.actor.core_share``: several workers on a
 machine with fewer cores than their threads) are not independent hardware: a step waits while the
 board's other busy workers hold the cores. Their estimates stretch by the threads stepping on the
-board over its cores (``share_factor``); waking an idle worker there costs the requests of the
-busy ones the turns it takes (``wake_s``), and a prefill on a busy one costs them the chunk's time
-(``mates_stall_s``), both times ``share_weight`` (0 turns all three off). A decode batch one
-worker already steps grows for less than a second worker's steps would take from everyone, and a
-cold copy of a prefix on a full board is paid by every request stepping there, not only by the
-ones that queue behind it. On hardware of a worker's own (a GPU, reserved cores) all are neutral.
+board over its cores (``share_factor``), and the core time a request adds there (``stepping_s``:
+the per-token part on a worker that steps anyway, whole steps on an idle one) is taken from the
+mates' requests wherever the board's workers want more cores than it has (``board_s``), both
+times ``share_weight`` (0 turns both off). Work is work on a full board: a cold copy of a prefix
+costs every request stepping there, whichever worker computes it, and a decode batch one worker
+already steps grows for less than a second worker's steps would take. On hardware of a worker's
+own (a GPU, reserved cores) both are neutral.
 """
 
 from __future__ import annotations
@@ -109,6 +112,12 @@ class CostModel:
             return UNFIT_BLOCKS_PENALTY_S
         return 0.0
 
+    def marginal_prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
+        """What ``tokens`` of prompt add to the steps of a worker that steps anyway: the per-token
+        part only, as the chunk rides in steps its running sequences take regardless."""
+        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        return f.per_unit * tokens
+
     def work_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         """What prefilling the uncached part here costs the requests that arrive after it."""
         if self.work_weight == 0:
@@ -122,7 +131,7 @@ class CostModel:
         if running == 0 or self.stall_weight == 0:
             return 0.0
         uncached = max(request.prompt_len - matched_blocks * request.block_size, 1)
-        return self.stall_weight * running * self.prefill_s(worker, uncached, pool)
+        return self.stall_weight * running * self.marginal_prefill_s(worker, uncached, pool)
 
     def evict_s(self, worker: Any, request: RouteRequest, matched_blocks: int, cached_blocks: int,
                 pool: list[Any]) -> float:
@@ -160,39 +169,45 @@ class CostModel:
         threads = worker.load.step_threads + self._contention(others, seconds, pool)
         return max(1.0, threads / worker.load.board_cores)
 
-    def wake_s(self, worker: Any, seconds: float, pool: list[Any]) -> float:
-        """What ``seconds`` of stepping on an idle ``worker`` cost the requests of the busy workers
-        on its board: their steps slow by the turns it takes (0 where it is busy already)."""
-        others = _board_mates(worker, pool)
-        load = worker.load
-        if self.share_weight == 0 or not others or seconds <= 0 or load.running > 0 or load.pending_prefill > 0:
-            return 0.0
-        contention = self._contention(others, seconds, pool)
-        before = max(1.0, contention / load.board_cores)
-        after = max(1.0, (contention + load.step_threads) / load.board_cores)
-        if after <= before:
-            return 0.0
-        delayed = sum(max(w.load.running, 1) * self.busy_s(w, seconds, pool) for w in others)
-        return self.share_weight * (after / before - 1) * delayed
+    def stepping_s(self, worker: Any, prefill_tokens: int, decode_tokens: int, pool: list[Any]) -> float:
+        """Core time ``worker`` spends on a request's tokens: on a worker that steps anyway only their
+        per-token and per-sequence parts (they ride in its steps), on an idle one its steps whole."""
+        pf, df = _fit(worker, "prefill", pool, PRIOR_PREFILL), _fit(worker, "decode", pool, PRIOR_DECODE)
+        prefill = pf.per_unit * prefill_tokens
+        decode = df.per_unit * decode_tokens
+        if not _stepping(worker):
+            prefill += pf.fixed if prefill_tokens else 0.0
+            decode += df.fixed * decode_tokens
+        return prefill + decode
 
-    def mates_stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
-        """What prefilling here costs the requests of the board mates stepping meanwhile, on a busy
-        ``worker`` (an idle one's turns are ``wake_s``): on a full board each waits for the chunk."""
-        others = _board_mates(worker, pool)
+    def board_s(self, worker: Any, seconds: float, pool: list[Any]) -> float:
+        """What ``seconds`` of stepping added on ``worker`` cost the requests of its board mates.
+
+        Where the board's workers want more cores than it has, the added time is taken from the
+        mates that want them, and each of their requests waits for it. A mate wants cores while it
+        steps and, idle now, as often as it did lately (``WorkerLoad.demand``): a board that is
+        busy on the whole is priced as such, whichever of its workers is idle this instant.
+        """
+        mates = _board_mates(worker, pool)
         load = worker.load
-        if self.share_weight == 0 or not others or (load.running == 0 and load.pending_prefill == 0):
+        if self.share_weight == 0 or not mates or seconds <= 0:
             return 0.0
-        seconds = self.prefill_s(worker, max(request.prompt_len - matched_blocks * request.block_size, 1), pool)
-        # the chunk's threads that do not fit beside the mates' take cores from them
-        excess = self._contention(others, seconds, pool) + load.step_threads - load.board_cores
-        if excess <= 0:
+        wants = [(1.0 if _stepping(w) else min(max(w.load.demand, 0.0), 1.0)) for w in mates]
+        threads = sum(a * w.load.step_threads for a, w in zip(wants, mates))
+        over = min(max(threads + load.step_threads - load.board_cores, 0.0), load.step_threads)
+        if over <= 0 or threads <= 0:
             return 0.0
-        delayed = sum(max(w.load.running, 1) * self.busy_s(w, seconds, pool) for w in others)
-        return self.share_weight * min(excess, load.step_threads) / load.board_cores * delayed
+        requests = sum(a * max(w.load.running, 1) for a, w in zip(wants, mates))
+        return self.share_weight * seconds * over * requests / threads
 
     def _contention(self, others: list[Any], horizon_s: float, pool: list[Any]) -> float:
         """Threads the board's other workers step with, averaged over the horizon."""
         return sum(w.load.step_threads * self.busy_s(w, horizon_s, pool) for w in others) / horizon_s
+
+
+def _stepping(worker: Any) -> bool:
+    # a prefill worker's requests in flight wait for their shipment once prefilled: not stepping
+    return worker.load.pending_prefill > 0 or (worker.role != "prefill" and worker.load.running > 0)
 
 
 def _board_mates(worker: Any, pool: Iterable[Any]) -> list[Any]:

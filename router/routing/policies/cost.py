@@ -4,8 +4,8 @@ For every pair: the prefill worker's time to first token (its queue plus the pro
 does not hold) + the KV shipment (the blocks the decode worker does not hold) + the output at the
 decode worker's step time with one more sequence + the uncached prefill once more, for the
 requests that will queue behind it (``work_weight``) + the cached blocks it would evict there,
-at their prefill cost (``evict_weight``) + on workers that take turns at shared cores, the turns
-a worker it wakes, or the prefill it adds, takes from the busy ones (``share_weight``). A prefix
+at their prefill cost (``evict_weight``) + on workers that take turns at shared cores, the core
+time it adds there, taken from the requests of the busy ones (``share_weight``). A prefix
 match is worth the prefill it saves (twice, with the default weight), so a holder loses the
 request only when its queue costs more than that: no hotspot, and no cold copy of a prefix for a
 queue a step deep.
@@ -51,25 +51,27 @@ class CompletionCost(RoutingPolicy):
                 hit = candidates.matched(w)
                 ttft = m.ttft_s(w, request, hit, pool)
                 decoding = m.decode_s(w, out, pool)
-                cost = (ttft + decoding + m.stall_s(w, request, hit, pool) + m.wake_s(w, ttft + decoding, pool)
-                        + m.mates_stall_s(w, request, hit, pool)
+                uncached = max(request.prompt_len - hit * request.block_size, 1)
+                cost = (ttft + decoding + m.stall_s(w, request, hit, pool)
+                        + m.board_s(w, m.stepping_s(w, uncached, out, pool), pool)
                         + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit)
                         + m.evict_s(w, request, hit, candidates.cached(w), pool))
                 options.append((cost, ttft, w, None))
         else:
             decode_s = {d.worker_id: m.decode_s(d, out, pool) for d in candidates.decode}
-            wake_s = {d.worker_id: m.wake_s(d, decode_s[d.worker_id], pool) for d in candidates.decode}
+            board_s = {d.worker_id: m.board_s(d, m.stepping_s(d, 0, out, pool), pool) for d in candidates.decode}
             for p in candidates.first:
                 ttft = m.ttft_s(p, request, candidates.matched(p), pool)
+                uncached = max(request.prompt_len - candidates.matched(p) * request.block_size, 1)
                 # the prompt's KV stays cached where it was prefilled: its evictions count there
-                work = (m.work_s(p, request, candidates.matched(p), pool) + m.wake_s(p, ttft, pool)
-                        + m.mates_stall_s(p, request, candidates.matched(p), pool)
+                work = (m.work_s(p, request, candidates.matched(p), pool)
+                        + m.board_s(p, m.stepping_s(p, uncached, 0, pool), pool)
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), candidates.matched(p),
                                     candidates.cached(p), pool))
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
-                            + wake_s[d.worker_id] + m.room_penalty_s(d, request, hit_d))
+                            + board_s[d.worker_id] + m.room_penalty_s(d, request, hit_d))
                     options.append((cost, ttft, p, d))
             if self.conditional_disaggregation:
                 for d in candidates.decode:
@@ -80,8 +82,7 @@ class CompletionCost(RoutingPolicy):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
-                            + m.mates_stall_s(d, request, hit_d, pool)
-                            + m.wake_s(d, ttft + decode_s[d.worker_id], pool)
+                            + m.board_s(d, m.stepping_s(d, uncached, out, pool), pool)
                             + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d)
                             + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
                     options.append((cost, ttft, d, None))

@@ -283,6 +283,17 @@ def _two_by_two(d0_running: int = 4) -> tuple[list[Fake], list[Fake]]:
     return p, d
 
 
+def test_a_prefill_stalls_the_sequences_running_there_by_its_tokens_not_by_a_step_overhead() -> None:
+    m = CostModel()
+    # a step overhead of 0.2 s (mixed steps charge part of the decode batch's time to prefill)
+    w = _worker("c0", "colocated", running=18, prefill=(0.2, 1 / 2000))
+    assert m.stall_s(w, _request(), 60, [w]) == pytest.approx(18 * (1024 - 60 * BS) / 2000)
+    assert m.stall_s(w, _request(), 0, [w]) == pytest.approx(18 * 1024 / 2000)
+    assert CostModel(stall_weight=0).stall_s(w, _request(), 0, [w]) == 0.0
+    w.load.num_running = 0
+    assert m.stall_s(w, _request(), 0, [w]) == 0.0
+
+
 def test_a_stats_snapshot_names_the_board_a_worker_takes_turns_at() -> None:
     load = WorkerLoad()
     load.update({"extra": {"core_share": {"board": "n1:/dev/shm/b", "cores": 2, "threads": 1}}})
@@ -306,34 +317,56 @@ def test_the_share_factor_counts_the_threads_stepping_on_the_board_over_its_core
     assert m.share_factor(d[1], 0.4, p + d[:1] + _on_board([d[1]])) == 1.0  # nobody else on its board
 
 
-def test_waking_an_idle_worker_on_a_full_board_costs_the_busy_ones_their_turns() -> None:
+def test_a_request_s_core_time_is_its_tokens_on_a_stepping_worker_and_whole_steps_on_an_idle_one() -> None:
     m = CostModel()
-    p, d = _two_by_two()
-    assert m.wake_s(d[1], 0.4, p + d) == 0.0  # cores of their own
-    pool = _on_board(p + d)
-    # before: 1.5 threads on 2 cores (no wait); after: 2.5 (each step 1.25x): d0's 4 sequences for
-    # 0.4 s and p0's request for its 0.2 s are delayed by a quarter
-    assert m.wake_s(d[1], 0.4, pool) == pytest.approx(0.25 * (4 * 0.4 + 1 * 0.2))
-    assert m.wake_s(d[0], 0.4, pool) == 0.0  # busy already: it takes no turn it does not take now
-    assert CostModel(share_weight=0).wake_s(d[1], 0.4, pool) == 0.0
-    p[0].load.reported_pending_prefill = 0  # d0 alone: two steps fit two cores
-    assert m.wake_s(d[1], 0.4, pool) == 0.0
+    busy, idle = _worker("c0", "colocated", running=4), _worker("c1", "colocated")
+    assert m.stepping_s(busy, 1024, 16, [busy, idle]) == pytest.approx(1024 / 2000 + 16 * 0.002)
+    assert m.stepping_s(idle, 1024, 16, [busy, idle]) == pytest.approx(0.005 + 1024 / 2000 + 16 * (0.02 + 0.002))
+    parked = _worker("p0", outstanding=3)  # a prefill worker's requests wait for their shipment
+    assert m.stepping_s(parked, 100, 0, [parked]) == pytest.approx(0.005 + 100 / 2000)
 
 
-def test_a_prefill_on_a_busy_worker_of_a_full_board_costs_the_mates_requests_its_chunk() -> None:
+def test_on_a_full_board_added_core_time_is_taken_from_the_mates_requests() -> None:
     m = CostModel()
     p, d = _two_by_two()
     d[1].load.num_running = 2
-    whole, tail = 0.005 + 1024 / 2000, 0.005 + 16 / 2000  # the prompt cold, and past 63 held blocks
-    assert m.mates_stall_s(p[0], _request(), 0, p + d) == 0.0  # cores of their own
+    assert m.board_s(p[0], 1.0, p + d) == 0.0  # cores of their own
     pool = _on_board(p + d)
-    # d0 and d1 decode all along: with p0's chunk 3 threads on 2 cores, so half of it takes theirs
-    assert m.mates_stall_s(p[0], _request(), 0, pool) == pytest.approx(0.5 * (4 + 2) * whole)
-    assert m.mates_stall_s(p[0], _request(), 63, pool) == pytest.approx(0.5 * (4 + 2) * tail)
-    assert m.mates_stall_s(p[1], _request(), 0, pool) == 0.0  # idle: its turns are wake_s
-    assert CostModel(share_weight=0).mates_stall_s(p[0], _request(), 0, pool) == 0.0
-    d[1].load.num_running = 0  # d0 alone beside p0: both fit
-    assert m.mates_stall_s(p[0], _request(), 0, pool) == 0.0
+    # p0, d0 and d1 step: 3 threads on 2 cores, so p0's added second comes out of d0's and d1's
+    # turns, each of their 6 sequences waiting for half of it
+    assert m.board_s(p[0], 1.0, pool) == pytest.approx(1.0 * 6 / 2)
+    # idle p1 woken: the second comes from p0's request and the 6 sequences' three threads
+    assert m.board_s(p[1], 1.0, pool) == pytest.approx(1.0 * 7 / 3)
+    assert CostModel(share_weight=0).board_s(p[0], 1.0, pool) == 0.0
+    d[1].load.num_running = 0  # d0 alone beside p0: both fit, nothing is taken
+    assert m.board_s(p[0], 1.0, pool) == 0.0
+    d[1].load.demand = 0.5  # idle now, but it wanted the cores half of the time lately
+    assert m.board_s(p[0], 1.0, pool) == pytest.approx(0.5 * (4 + 0.5) / 1.5)
+
+
+def test_a_worker_s_demand_for_cores_follows_its_stepping_and_waiting_over_time() -> None:
+    load = WorkerLoad()
+    load.update({"busy_seconds": 0.0}, now=10.0)
+    assert load.demand == 0.0
+    load.update({"busy_seconds": 0.5, "extra": {"core_wait_seconds": 0.3}}, now=11.0)
+    assert load.demand == pytest.approx(0.5 * 0.8)
+    load.update({"busy_seconds": 1.5, "extra": {"core_wait_seconds": 0.3}}, now=12.0)
+    assert load.demand == pytest.approx(0.5 * 0.4 + 0.5 * 1.0)
+    load.update({"busy_seconds": 0.1}, now=13.0)  # restarted: a new baseline, nothing learnt
+    assert load.demand == pytest.approx(0.7)
+    load.update({"busy_seconds": 0.1}, now=14.0)
+    assert load.demand == pytest.approx(0.35)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_on_a_board_busy_lately_an_idle_holder_beats_a_busy_worker_that_would_copy_the_prefix(seed: int) -> None:
+    pol = make_policy("cost", seed=seed)
+    c = _on_board([_worker("c0", "colocated", pending=1100, running=3), _worker("c1", "colocated"),
+                   _worker("c2", "colocated", running=20), _worker("c3", "colocated")])
+    c[1].load.demand = c[3].load.demand = 0.3
+    # waking c1 takes its request's few steps from the mates; c0's copy of the prefix would take
+    # 1k tokens of compute from them, beside c0's own queue and the stall of its sequences
+    assert pol.route(_request(), Candidates(c, [], {"c1": 63})).first.worker_id == "c1"
 
 
 @pytest.mark.parametrize("seed", range(3))
