@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+MIN_SPREAD = 0.02  # how unlike (1 - r^2) the intervals' units per step must be to fit two terms
+
+
 @dataclass
 class LinearCost:
     """Fits ``seconds = fixed * count + per_unit * units`` to interval totals.
@@ -49,7 +52,10 @@ class LinearCost:
     def _solve(self) -> None:
         nn, nu, uu, ns, us = self._sums
         det = nn * uu - nu * nu
-        if det > 1e-9 * max(nn * uu, 1e-30):
+        # det / (nn * uu) is 1 - r^2 of count against units: intervals that all take about as many
+        # units per step (a worker fed only short turns) cannot tell overhead from per-unit cost,
+        # and a two-term solve of them turns a few percent of timing noise into a rate 10x off
+        if det > MIN_SPREAD * max(nn * uu, 1e-30):
             fixed, per_unit = (uu * ns - nu * us) / det, (nn * us - nu * ns) / det
             if fixed >= 0 and per_unit >= 0 and fixed + per_unit > 0:
                 self.fixed, self.per_unit, self.fitted = fixed, per_unit, True

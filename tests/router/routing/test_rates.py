@@ -31,6 +31,20 @@ def test_alike_intervals_put_everything_per_unit() -> None:
     assert fit.fitted and fit.fixed == 0.0 and fit.per_unit == pytest.approx(0.001)
 
 
+def test_intervals_of_about_one_size_with_noisy_timing_do_not_make_a_rate_up() -> None:
+    fit = LinearCost()
+    count = units = seconds = 0.0
+    fit.observe(count, units, seconds)
+    # ~32 prompt tokens a step, 50 ms overhead + 1.4 ms a token, timing off by a few percent
+    for i, (n, u) in enumerate([(20, 640), (21, 650), (19, 620), (20, 660), (22, 690), (20, 630)]):
+        count, units = count + n, units + u
+        seconds += (0.05 * n + 0.0014 * u) * (1.04 if i % 2 else 0.96)
+        fit.observe(count, units, seconds)
+    # all of it per token: each step's overhead charged to its tokens, not a made-up fast rate
+    assert fit.fitted and fit.fixed == 0.0
+    assert fit.per_unit == pytest.approx((0.05 * 20 + 0.0014 * 640) / 640, rel=0.1)
+
+
 def test_a_restarted_worker_starts_a_new_baseline_and_idle_intervals_change_nothing() -> None:
     fit = LinearCost()
     _feed(fit, [(1, 100), (5, 100)], fixed=0.01, per_unit=0.001)
