@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 MIN_SPREAD = 0.02  # how unlike (1 - r^2) the intervals' units per step must be to fit two terms
 
 
