@@ -115,6 +115,11 @@ class RouteRequest:
         """Blocks the prompt's KV fills (the last one possibly partly)."""
         return math.ceil(self.prompt_len / self.block_size)
 
+    def uncached(self, matched_blocks: int) -> int:
+        """Prompt tokens a worker holding ``matched_blocks`` leading blocks must compute (at least
+        one: the last position is computed for its logits)."""
+        return max(self.prompt_len - matched_blocks * self.block_size, 1)
+
 
 @dataclass
 class Candidates:

@@ -87,8 +87,7 @@ class CostModel:
         return f.per_unit * max(worker.load.pending_prefill, 0)
 
     def ttft_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
-        uncached = max(request.prompt_len - matched_blocks * request.block_size, 1)
-        stepping = self.queue_s(worker, pool) + self.prefill_s(worker, uncached, pool)
+        stepping = self.queue_s(worker, pool) + self.prefill_s(worker, request.uncached(matched_blocks), pool)
         return stepping * self.share_factor(worker, stepping, pool)
 
     def ship_s(self, prefill: Any, request: RouteRequest, decode_matched: int, pool: list[Any]) -> float:
@@ -112,26 +111,20 @@ class CostModel:
             return UNFIT_BLOCKS_PENALTY_S
         return 0.0
 
-    def marginal_prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
-        """What ``tokens`` of prompt add to the steps of a worker that steps anyway: the per-token
-        part only, as the chunk rides in steps its running sequences take regardless."""
-        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
-        return f.per_unit * tokens
-
     def work_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         """What prefilling the uncached part here costs the requests that arrive after it."""
         if self.work_weight == 0:
             return 0.0
         f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
-        return self.work_weight * f.per_unit * max(request.prompt_len - matched_blocks * request.block_size, 1)
+        return self.work_weight * f.per_unit * request.uncached(matched_blocks)
 
     def stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         """What prefilling here costs the sequences already decoding on ``worker``."""
         running = worker.load.running
         if running == 0 or self.stall_weight == 0:
             return 0.0
-        uncached = max(request.prompt_len - matched_blocks * request.block_size, 1)
-        return self.stall_weight * running * self.marginal_prefill_s(worker, uncached, pool)
+        # the steps run for the sequences anyway: the prompt's tokens are what they add
+        return self.stall_weight * running * self.stepping_s(worker, request.uncached(matched_blocks), 0, pool)
 
     def evict_s(self, worker: Any, request: RouteRequest, matched_blocks: int, cached_blocks: int,
                 pool: list[Any]) -> float:

@@ -51,9 +51,8 @@ class CompletionCost(RoutingPolicy):
                 hit = candidates.matched(w)
                 ttft = m.ttft_s(w, request, hit, pool)
                 decoding = m.decode_s(w, out, pool)
-                uncached = max(request.prompt_len - hit * request.block_size, 1)
                 cost = (ttft + decoding + m.stall_s(w, request, hit, pool)
-                        + m.board_s(w, m.stepping_s(w, uncached, out, pool), pool)
+                        + m.board_s(w, m.stepping_s(w, request.uncached(hit), out, pool), pool)
                         + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit)
                         + m.evict_s(w, request, hit, candidates.cached(w), pool))
                 options.append((cost, ttft, w, None))
@@ -62,10 +61,9 @@ class CompletionCost(RoutingPolicy):
             board_s = {d.worker_id: m.board_s(d, m.stepping_s(d, 0, out, pool), pool) for d in candidates.decode}
             for p in candidates.first:
                 ttft = m.ttft_s(p, request, candidates.matched(p), pool)
-                uncached = max(request.prompt_len - candidates.matched(p) * request.block_size, 1)
                 # the prompt's KV stays cached where it was prefilled: its evictions count there
                 work = (m.work_s(p, request, candidates.matched(p), pool)
-                        + m.board_s(p, m.stepping_s(p, uncached, 0, pool), pool)
+                        + m.board_s(p, m.stepping_s(p, request.uncached(candidates.matched(p)), 0, pool), pool)
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), candidates.matched(p),
                                     candidates.cached(p), pool))
                 for d in candidates.decode:
@@ -76,7 +74,7 @@ class CompletionCost(RoutingPolicy):
             if self.conditional_disaggregation:
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
-                    uncached = max(request.prompt_len - hit_d * request.block_size, 1)
+                    uncached = request.uncached(hit_d)
                     saved = min(m.ship_s(p, request, hit_d, pool) for p in candidates.first)
                     if m.prefill_s(d, uncached, pool) > saved:
                         continue
