@@ -65,6 +65,52 @@ class _Stream:
     emitted: dict[int, list[int]] = field(default_factory=dict)  # tokens the caller has, per sample
     migrations: int = 0
     placed_n: int = 1  # samples the current placement runs
+    # Per sample: the position the next delta to queue starts at, and deltas that came before their
+    # turn (a decode worker's tokens can overtake the prefill worker's first one), by position.
+    next_position: dict[int, int] = field(default_factory=dict)
+    early: dict[int, dict[int, list[tuple[TokenDelta, str | None]]]] = field(default_factory=dict)
+
+    def in_order(self, delta: TokenDelta, source: str | None) -> list[tuple[TokenDelta, str | None]]:
+        """The deltas (with their sources) that may go to the caller now that ``delta`` came: none
+        while one before it is missing; it and every held one it lets through otherwise."""
+        if delta.position < 0:
+            return [(delta, source)]
+        i = delta.index
+        expected = self.next_position.get(i, 0)
+        if delta.position > expected:
+            self.early.setdefault(i, {}).setdefault(delta.position, []).append((delta, source))
+            return []
+        ready = []
+        if _trim_seen(delta, expected - delta.position):
+            ready.append((delta, source))
+            expected = delta.position + len(delta.token_ids)
+        held = self.early.get(i)
+        while held and expected in held:
+            for d, src in held.pop(expected):
+                ready.append((d, src))
+                expected += len(d.token_ids)
+        self.next_position[i] = expected
+        return ready
+
+    def restart_order(self) -> None:
+        """A new placement continues each sample from the tokens its caller has."""
+        self.early.clear()
+        self.next_position = {i: len(toks) for i, toks in self.emitted.items()}
+
+
+def _trim_seen(delta: TokenDelta, seen: int) -> bool:
+    """Drop the first ``seen`` tokens of ``delta`` (already queued); False if nothing is left of it."""
+    if seen <= 0:
+        return True
+    if seen >= len(delta.token_ids):  # a repeat: the engine numbers every delta it makes
+        return False
+    delta.position += seen
+    delta.token_ids = delta.token_ids[seen:]
+    if delta.logprobs is not None:
+        delta.logprobs = delta.logprobs[seen:]
+    if delta.top_logprobs is not None:
+        delta.top_logprobs = delta.top_logprobs[seen:]
+    return True
 
 
 @dataclass
@@ -273,6 +319,7 @@ class PoolClient:
         stream.prefill_id = first.worker_id if decode else None
         stream.decode_id = decode.worker_id if decode else None
         stream.handed = set()
+        stream.restart_order()
         resumed = {i: toks for i, toks in stream.emitted.items() if i not in stream.finished}
         longest = max((len(t) for t in resumed.values()), default=0)
         pending = len(prompt_token_ids) + longest - decision.matched_blocks * (self._block_size or 0)
@@ -554,15 +601,20 @@ class PoolClient:
 
     def _deliver(self, deltas: list[TokenDelta], source: str | None = None) -> None:
         """Hand ``deltas`` (from worker ``source``) to their streams."""
-        for d in deltas:
-            stream = self._by_wire.get(d.request_id)
-            if stream is not None:
-                if stream.prefill_id is not None and source is not None and (
-                        source == stream.decode_id or (source == stream.prefill_id and d.finish_reason is not None)):
+        for delta in deltas:
+            stream = self._by_wire.get(delta.request_id)
+            if stream is None:
+                continue
+            for d, src in stream.in_order(delta, source):
+                # Handed over once the decode worker's deltas reach the queue, not when they come:
+                # one held for the prefill worker's first token keeps the prefill worker's death
+                # the stream's concern.
+                if stream.prefill_id is not None and src is not None and (
+                        src == stream.decode_id or (src == stream.prefill_id and d.finish_reason is not None)):
                     self._handed_over(stream, d.index)
                 stream.queue.put_nowait(d)
-                if not stream.paused and stream.queue.qsize() >= self.high_water:
-                    self._set_paused(stream, True)
+            if not stream.paused and stream.queue.qsize() >= self.high_water:
+                self._set_paused(stream, True)
 
     @staticmethod
     def _handed_over(stream: _Stream, index: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from cluster.pool_client import PoolClient, WorkerRef
 from router.routing import make_policy
 from workers.actor.messages import encode_deltas
@@ -135,3 +137,103 @@ def test_admission_charges_a_shared_prompt_once_on_the_worker_that_holds_it():
     a, b = asyncio.run(run())
     assert a == b  # 14 blocks each, 12 of them shared: 16 of the worker's 20
     assert admission.ledgers[a].reserved_blocks == 16
+
+
+class _SlowPoll(_Poll):
+    """A worker whose output reaches the front late (a descheduled writer thread, a slow link)."""
+
+    async def remote(self, front_id: str, timeout_s: float) -> bytes | None:
+        await asyncio.sleep(0.3)
+        return await super().remote(front_id, timeout_s)
+
+
+def test_decode_tokens_that_overtake_the_prefill_workers_first_token_wait_for_it():
+    """Disaggregated: the decode worker's tokens reach the front before the prefill worker's first
+    one (two sockets, no order between them). The caller gets them in the sample's order, and the
+    request resumes nowhere: nothing was lost."""
+    decode = ScriptedWorker(lambda *a: [])
+
+    def script(wire_id, params, resume):
+        decode.outbox.extend([TokenDelta(wire_id, 0, [12], position=1), TokenDelta(wire_id, 0, [13], position=2),
+                              TokenDelta(wire_id, 0, [14], position=3, finish_reason="length")])
+        return [TokenDelta(wire_id, 0, [11], position=0, kv_ready=True)]
+
+    prefill = ScriptedWorker(script)
+    prefill.poll = _SlowPoll(prefill)
+    refs = [WorkerRef("prefill-0", "prefill", prefill), WorkerRef("decode-0", "decode", decode)]
+    pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
+                      policy=make_policy("round_robin"), migration_wait_s=1.0)
+
+    async def main():
+        await pool.start(stats_interval_s=0.05)
+        try:
+            return await asyncio.wait_for(_collect(pool, SamplingParams(max_tokens=4)), 10)
+        finally:
+            await pool.stop()
+
+    toks, reasons = asyncio.run(main())
+    assert toks == {0: [11, 12, 13, 14]} and reasons == {0: "length"}
+    assert pool.migrations_total == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda k: st.tuples(st.just(k), st.permutations(range(k)),
+                                                      st.lists(st.integers(0, k - 1), max_size=3))))
+def test_a_samples_deltas_in_any_order_reach_the_caller_in_its_order(case):
+    """Whatever order a sample's deltas come in (repeats too), the queue gets each delta once, in
+    position order; ends decided outside the engine (position -1) go at once."""
+    from cluster.pool_client import _Stream
+
+    k, order, repeats = case
+    stream = _Stream(asyncio.Queue(), 1, set(), "w")
+    out: list[TokenDelta] = []
+    for p in [*order, *repeats]:
+        d = TokenDelta("w", 0, [100 + p], position=p, finish_reason="length" if p == k - 1 else None)
+        out += [d for d, _ in stream.in_order(d, "decode-0")]
+    assert [t for d in out for t in d.token_ids] == [100 + p for p in range(k)]
+    assert [d.finish_reason for d in out] == [None] * (k - 1) + ["length"]
+    end = TokenDelta("w", 0, [], finish_reason="abort")
+    assert stream.in_order(end, None) == [(end, None)]
+
+
+class _DeadPoll(_Poll):
+    """A worker that died before its output left: its poll fails, what it emitted never comes."""
+
+    async def remote(self, front_id: str, timeout_s: float) -> bytes | None:
+        await asyncio.sleep(0.2)
+        raise RuntimeError("actor died")
+
+
+def test_a_prefill_worker_lost_before_its_first_token_came_fails_the_stream_over_held_decode_tokens():
+    """The decode worker's tokens wait for the prefill worker's first one; that worker dies first.
+    Its death is still the stream's (the decode worker has not taken the sample over for the
+    caller): the request is placed again, here on nobody, so it ends with a clear error instead
+    of waiting forever or streaming a sample without its first token."""
+    import pytest
+
+    from workers.errors import WorkerLostError
+
+    decode = ScriptedWorker(lambda *a: [])
+
+    def script(wire_id, params, resume):
+        decode.outbox.extend([TokenDelta(wire_id, 0, [12], position=1),
+                              TokenDelta(wire_id, 0, [13], position=2, finish_reason="length")])
+        return [TokenDelta(wire_id, 0, [11], position=0, kv_ready=True)]
+
+    prefill = ScriptedWorker(script)
+    prefill.poll = _DeadPoll(prefill)
+    refs = [WorkerRef("prefill-0", "prefill", prefill), WorkerRef("decode-0", "decode", decode)]
+    pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
+                      policy=make_policy("round_robin"), migration_wait_s=0.5)
+
+    async def main():
+        await pool.start(stats_interval_s=0.05)
+        try:
+            with pytest.raises(WorkerLostError):
+                await asyncio.wait_for(_collect(pool, SamplingParams(max_tokens=3)), 10)
+        finally:
+            await pool.stop()
+
+    asyncio.run(main())
+    assert pool.migrations_total == 1
+    assert decode.aborted  # the decode worker's copy of the sample was let go

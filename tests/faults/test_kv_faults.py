@@ -163,7 +163,8 @@ def test_prefill_killed_right_after_shipping_spares_the_streams(ray_session, tin
             got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             migrations = pool.migrations_total
             deadline = time.monotonic() + 60
-            while pool.workers[prefill.worker_id].incarnation == 0:  # the restarted prefill worker
+            back = pool.workers[prefill.worker_id]
+            while back.incarnation == 0 or not back.alive:  # adopted: new handle first, alive once listened to
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.2)
             after = await collect(pool, "after", prompts[0], PARAMS[0])

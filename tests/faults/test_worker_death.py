@@ -30,8 +30,6 @@ async def _batch_with_kill(pool: PoolClient, prompts, victim_of, kill_after: int
     """Run every stream (``params[i]`` for prompt ``i``); once each has ``kill_after`` tokens, kill
     the worker ``victim_of(pool)`` names. Returns the tokens per stream per sample and the killed
     worker's id."""
-    import ray
-
     reached = asyncio.Semaphore(0)
     killed: list[str] = []
     del held[:]
@@ -53,7 +51,9 @@ async def _batch_with_kill(pool: PoolClient, prompts, victim_of, kill_after: int
         victim = victim_of(pool)
         killed.append(victim.worker_id)
         held.append(sum(victim.worker_id in s.workers for s in pool._streams.values()))
-        ray.kill(victim.handle)
+        # SIGKILL lands at once; ray.kill goes through the GCS, and on a loaded machine the streams
+        # could all finish before it took effect.
+        os.kill(victim.info["pid"], signal.SIGKILL)
         got = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     finally:
         for t in tasks:

@@ -233,7 +233,7 @@ class EngineCore(KVMigrationMixin):
                 req.first_token_time = now
             delta = TokenDelta(req.parent_id or req.request_id, req.index, [tok],
                                num_prompt_tokens=req.num_prompt_tokens,
-                               num_cached_tokens=max(req.num_cached_tokens, 0))
+                               num_cached_tokens=max(req.num_cached_tokens, 0), position=req.num_output_tokens - 1)
             if req.params.logprobs is not None:
                 delta.logprobs = [logprobs[i]]
                 if top_ids is not None and req.params.logprobs:
@@ -329,7 +329,8 @@ class EngineCore(KVMigrationMixin):
         gid = self._forget(req)
         return TokenDelta(gid, req.index, token_ids or [], finish_reason=status.finish_reason,
                           stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-                          num_cached_tokens=max(req.num_cached_tokens, 0))
+                          num_cached_tokens=max(req.num_cached_tokens, 0),
+                          position=req.num_output_tokens - len(token_ids or []))
 
     def _forget(self, req: Request) -> str:
         """Drop a terminal sample from the bookkeeping; the group goes once all its samples have."""

@@ -24,6 +24,10 @@ class TokenDelta:
     num_cached_tokens: int = 0
     kv_ready: bool = False  # prefill-only request parked with its KV, ready to ship
     recoverable: bool = False  # ended here by a fault another placement may not meet (a failed KV transfer)
+    # How many output tokens the sample had before these: a front merging a sample's deltas from two
+    # workers (the prefill worker's first token, the decode worker's next) puts them in this order.
+    # -1: not counted (an end decided outside the engine), delivered as it comes.
+    position: int = -1
 
 
 @dataclass
