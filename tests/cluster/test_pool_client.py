@@ -8,6 +8,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from cluster.pool_client import PoolClient, WorkerRef
 from router.routing import make_policy
 from workers.actor.messages import encode_deltas
