@@ -211,6 +211,11 @@ class PoolClient:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
+            # Python 3.11's wait_for can swallow a cancel that lands as its inner call completes (a
+            # loop's call to a worker): the loop then sleeps on, so cancel again until it ends.
+            while not t.done():
+                await asyncio.wait({t}, timeout=0.1)
+                t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
