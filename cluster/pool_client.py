@@ -80,10 +80,10 @@ class _Stream:
         if delta.position > expected:
             self.early.setdefault(i, {}).setdefault(delta.position, []).append((delta, source))
             return []
-        ready = []
-        if _trim_seen(delta, expected - delta.position):
-            ready.append((delta, source))
-            expected = delta.position + len(delta.token_ids)
+        if delta.position < expected:  # a repeat: the engine numbers every delta it makes
+            return []
+        ready = [(delta, source)]
+        expected += len(delta.token_ids)
         held = self.early.get(i)
         while held and expected in held:
             for d, src in held.pop(expected):
@@ -96,21 +96,6 @@ class _Stream:
         """A new placement continues each sample from the tokens its caller has."""
         self.early.clear()
         self.next_position = {i: len(toks) for i, toks in self.emitted.items()}
-
-
-def _trim_seen(delta: TokenDelta, seen: int) -> bool:
-    """Drop the first ``seen`` tokens of ``delta`` (already queued); False if nothing is left of it."""
-    if seen <= 0:
-        return True
-    if seen >= len(delta.token_ids):  # a repeat: the engine numbers every delta it makes
-        return False
-    delta.position += seen
-    delta.token_ids = delta.token_ids[seen:]
-    if delta.logprobs is not None:
-        delta.logprobs = delta.logprobs[seen:]
-    if delta.top_logprobs is not None:
-        delta.top_logprobs = delta.top_logprobs[seen:]
-    return True
 
 
 @dataclass

@@ -62,12 +62,27 @@ class _Poll:
 FULL = {0: [11, 12, 13, 14], 1: [21, 22, 23, 24]}
 
 
-def _pool(script) -> tuple[PoolClient, ScriptedWorker]:
+def _pool(script, decode: ScriptedWorker | None = None, poll: type[_Poll] = _Poll,
+          migration_wait_s: float = 1.0) -> tuple[PoolClient, ScriptedWorker]:
+    """One prefill worker running ``script`` (its output read through ``poll``) and one decode worker."""
     worker = ScriptedWorker(script)
-    refs = [WorkerRef("prefill-0", "prefill", worker), WorkerRef("decode-0", "decode", ScriptedWorker(lambda *a: []))]
+    worker.poll = poll(worker)
+    refs = [WorkerRef("prefill-0", "prefill", worker),
+            WorkerRef("decode-0", "decode", decode or ScriptedWorker(lambda *a: []))]
     pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
-                      policy=make_policy("round_robin"), migration_wait_s=1.0)
+                      policy=make_policy("round_robin"), migration_wait_s=migration_wait_s)
     return pool, worker
+
+
+def _handoff(decode: ScriptedWorker, rest: list[int]):
+    """A prefill script: the first token here, the decode worker's ``rest`` (the last one ends the
+    sample) put in its outbox at once, as if the KV had reached it."""
+    def script(wire_id, params, resume):
+        decode.outbox.extend(TokenDelta(wire_id, 0, [t], position=1 + k,
+                                        finish_reason="length" if k == len(rest) - 1 else None)
+                             for k, t in enumerate(rest))
+        return [TokenDelta(wire_id, 0, [11], position=0, kv_ready=True)]
+    return script
 
 
 async def _collect(pool: PoolClient, params: SamplingParams) -> tuple[dict[int, list[int]], dict[int, str]]:
@@ -153,17 +168,7 @@ def test_decode_tokens_that_overtake_the_prefill_workers_first_token_wait_for_it
     one (two sockets, no order between them). The caller gets them in the sample's order, and the
     request resumes nowhere: nothing was lost."""
     decode = ScriptedWorker(lambda *a: [])
-
-    def script(wire_id, params, resume):
-        decode.outbox.extend([TokenDelta(wire_id, 0, [12], position=1), TokenDelta(wire_id, 0, [13], position=2),
-                              TokenDelta(wire_id, 0, [14], position=3, finish_reason="length")])
-        return [TokenDelta(wire_id, 0, [11], position=0, kv_ready=True)]
-
-    prefill = ScriptedWorker(script)
-    prefill.poll = _SlowPoll(prefill)
-    refs = [WorkerRef("prefill-0", "prefill", prefill), WorkerRef("decode-0", "decode", decode)]
-    pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
-                      policy=make_policy("round_robin"), migration_wait_s=1.0)
+    pool, _ = _pool(_handoff(decode, [12, 13, 14]), decode, poll=_SlowPoll)
 
     async def main():
         await pool.start(stats_interval_s=0.05)
@@ -215,17 +220,7 @@ def test_a_prefill_worker_lost_before_its_first_token_came_fails_the_stream_over
     from workers.errors import WorkerLostError
 
     decode = ScriptedWorker(lambda *a: [])
-
-    def script(wire_id, params, resume):
-        decode.outbox.extend([TokenDelta(wire_id, 0, [12], position=1),
-                              TokenDelta(wire_id, 0, [13], position=2, finish_reason="length")])
-        return [TokenDelta(wire_id, 0, [11], position=0, kv_ready=True)]
-
-    prefill = ScriptedWorker(script)
-    prefill.poll = _DeadPoll(prefill)
-    refs = [WorkerRef("prefill-0", "prefill", prefill), WorkerRef("decode-0", "decode", decode)]
-    pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
-                      policy=make_policy("round_robin"), migration_wait_s=0.5)
+    pool, _ = _pool(_handoff(decode, [12, 13]), decode, poll=_DeadPoll, migration_wait_s=0.5)
 
     async def main():
         await pool.start(stats_interval_s=0.05)

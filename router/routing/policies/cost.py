@@ -60,12 +60,12 @@ class CompletionCost(RoutingPolicy):
             decode_s = {d.worker_id: m.decode_s(d, out, pool) for d in candidates.decode}
             board_s = {d.worker_id: m.board_s(d, m.stepping_s(d, 0, out, pool), pool) for d in candidates.decode}
             for p in candidates.first:
-                ttft = m.ttft_s(p, request, candidates.matched(p), pool)
+                hit_p = candidates.matched(p)
+                ttft = m.ttft_s(p, request, hit_p, pool)
                 # the prompt's KV stays cached where it was prefilled: its evictions count there
-                work = (m.work_s(p, request, candidates.matched(p), pool)
-                        + m.board_s(p, m.stepping_s(p, request.uncached(candidates.matched(p)), 0, pool), pool)
-                        + m.evict_s(p, dataclasses.replace(request, max_tokens=0), candidates.matched(p),
-                                    candidates.cached(p), pool))
+                work = (m.work_s(p, request, hit_p, pool)
+                        + m.board_s(p, m.stepping_s(p, request.uncached(hit_p), 0, pool), pool)
+                        + m.evict_s(p, dataclasses.replace(request, max_tokens=0), hit_p, candidates.cached(p), pool))
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
