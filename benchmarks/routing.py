@@ -55,6 +55,21 @@ def _router_view(registry: Any, policy: str) -> dict[str, Any]:
     return {"decisions": reasons, "ttft_measured_over_estimated_median_le": median}
 
 
+def _worker_view(registry: Any) -> dict[str, Any]:
+    """Prompt tokens computed and cached blocks evicted, per worker: the prefill a policy spends
+    again on prefixes it let go cold, which a hit rate over all requests hides."""
+    out: dict[str, dict[str, float]] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == "baton:tokens_computed_total" and s.labels.get("kind") == "prefill":
+                out.setdefault(s.labels["worker"], {})["prefill_tokens"] = s.value
+            elif s.name == "baton:prefix_cache_evicted_blocks_total":
+                out.setdefault(s.labels["worker"], {})["evicted_blocks"] = s.value
+    return {"workers": out,
+            "prefill_tokens_computed": sum(w.get("prefill_tokens", 0) for w in out.values()),
+            "evicted_blocks": sum(w.get("evicted_blocks", 0) for w in out.values())}
+
+
 def policy_config(spec: str) -> dict[str, Any]:
     """``[router]`` settings from a policy spec: a name, or ``name:option=value,...`` (a variant,
     e.g. ``cost:share_weight=0``) compared in the same run as the name alone."""
@@ -104,6 +119,8 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -
                 "prefix_hit_rate", "cached_tokens_reported", "request_goodput", "slo_attainment")
         out = {k: s.get(k) for k in keys}
         out.update(_router_view(dep.metrics.registry, policy.partition(":")[0]))
+        time.sleep(2.5)  # the workers' last stats (every second) carry the run's final prefills
+        out.update(_worker_view(dep.metrics.registry))
         out["wall_s"] = time.monotonic() - started
         return out
     finally:
@@ -143,17 +160,18 @@ def markdown(results: list[dict[str, Any]], summary: dict[str, Any], args: argpa
         return "-" if v is None else f"{v:.{d}f}"
 
     lines = ["| layout | workload | policy | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | out tok/s | hit rate | "
-             f"goodput req/s (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms) | decisions |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"goodput req/s (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms) | prefill tokens computed | "
+             "blocks evicted | decisions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | failed: {r['error']} |||||||")
+            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | failed: {r['error']} |||||||||")
             continue
         reasons = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["decisions"].items()))
         lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | {f(r['median_ttft_ms'])} | "
                      f"{f(r['p99_ttft_ms'])} | {f(r['median_tpot_ms'])} | {f(r['output_throughput'], 1)} | "
                      f"{f(r['prefix_hit_rate'] and 100 * r['prefix_hit_rate'])}% | {f(r['request_goodput'], 2)} | "
-                     f"{reasons} |")
+                     f"{f(r.get('prefill_tokens_computed'))} | {f(r.get('evicted_blocks'))} | {reasons} |")
     lines.append("")
     for layout, row in summary.items():
         for workload, ratios in row.items():

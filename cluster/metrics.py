@@ -86,6 +86,8 @@ class Metrics:
                                       "cache", w, registry=r)
         self.prefix_hits = Counter("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    w, registry=r)
+        self.prefix_evictions = Counter("baton:prefix_cache_evicted_blocks", "Cached KV blocks evicted to make "
+                                        "room (a prefix that comes back computes them again)", w, registry=r)
         self.preemptions = Counter("baton:num_preemptions", "Requests preempted", w, registry=r)
         self.engine_steps = Counter("baton:engine_steps", "Engine steps (forward passes)", w, registry=r)
         self.engine_busy = Counter("baton:engine_busy_seconds", "Seconds the engine spent in steps; its "
@@ -188,6 +190,7 @@ class Metrics:
         c = self._counters.setdefault((role, worker), _WorkerCounters())
         self.prefix_queries.labels(role, worker).inc(c.delta("q", stats.prefix_cache_queries))
         self.prefix_hits.labels(role, worker).inc(c.delta("h", stats.prefix_cache_hits))
+        self.prefix_evictions.labels(role, worker).inc(c.delta("ev", stats.num_evicted_blocks))
         self.preemptions.labels(role, worker).inc(c.delta("p", stats.num_preemptions))
         self.engine_steps.labels(role, worker).inc(c.delta("s", stats.num_steps))
         self.engine_busy.labels(role, worker).inc(c.delta("busy", stats.busy_seconds))

@@ -94,6 +94,11 @@ class BlockManager:
         """Of those, tokens found cached."""
         return self._hits
 
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks evicted to make room, since start (a clear does not count)."""
+        return self._pool.num_evicted
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self._pool.num_free
 

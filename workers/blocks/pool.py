@@ -53,6 +53,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._sink = event_sink
+        self.num_evicted = 0  # cached blocks popped for reuse, since start
 
     @property
     def num_free(self) -> int:
@@ -99,6 +100,7 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block_id)
         if evicted:
+            self.num_evicted += len(evicted)
             self._emit(BlockRemoved(evicted))
         return out
 

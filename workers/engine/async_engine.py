@@ -51,6 +51,7 @@ class EngineStats:
     num_decode_steps: int = 0
     kv_events_epoch: str = ""
     kv_events_seq: int = 0
+    num_evicted_blocks: int = 0  # cached blocks evicted for reuse
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,7 +158,8 @@ class AsyncEngine:
                            bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions,
                            len(e.paused), e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
                            e.num_decode_tokens_computed, e.prefill_seconds, e.pending_prefill_tokens,
-                           e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq)
+                           e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq,
+                           num_evicted_blocks=bm.num_evicted_blocks)
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""

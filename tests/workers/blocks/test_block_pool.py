@@ -69,10 +69,11 @@ def test_cached_blocks_are_evicted_in_lru_order_with_events() -> None:
     events.clear()
     assert pool.allocate(2) == [3, 2]  # block 3 was never cached: no event for it
     assert events == [BlockRemoved([h(12)])]
+    assert pool.num_evicted == 1  # the never-cached block is no eviction
     assert pool.lookup(h(12)) is None and pool.blocks[2].block_hash is None
     assert pool.allocate(2) == [1, 0]
     assert events[-1] == BlockRemoved([h(11), h(10)])
-    assert pool.num_cached == 0
+    assert pool.num_cached == 0 and pool.num_evicted == 3
 
 
 def test_acquire_revives_a_cached_free_block_out_of_the_queue() -> None:
@@ -118,3 +119,4 @@ def test_clear_cache_forgets_all_hashes() -> None:
     events.clear()
     pool.allocate(5)
     assert events == []  # nothing left to evict
+    assert pool.num_evicted == 0  # a clear is not an eviction
