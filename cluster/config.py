@@ -179,6 +179,8 @@ class RouterSection(BaseModel):
     share_weight: float = Field(1.0, ge=0, description="cost: weight of the core time a request adds on cores "
                                 "workers share, taken from the other workers' requests there (0: price "
                                 "every worker as if its cores were its own)")
+    placement_tolerance: float = Field(0.25, ge=0, description="cost: a prompt no worker holds goes to the "
+                                       "roomiest cache among candidates this close to the best (0: the best)")
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")
@@ -196,7 +198,7 @@ class RouterSection(BaseModel):
 
         if self.policy == "cost":
             return make_policy("cost", stall_weight=self.stall_weight, work_weight=self.work_weight,
-                               share_weight=self.share_weight,
+                               share_weight=self.share_weight, placement_tolerance=self.placement_tolerance,
                                conditional_disaggregation=self.conditional_disaggregation)
         return make_policy(self.policy)
 

@@ -137,13 +137,18 @@ class CostModel:
         if self.evict_weight == 0 or not load.num_blocks:
             return 0.0
         needed = math.ceil((request.prompt_len + request.max_tokens) / request.block_size) - matched_blocks
-        evictable = min(max(cached_blocks, 0), load.num_free_blocks)
-        empty = load.num_free_blocks - evictable
-        evicted = min(max(needed - empty, 0), evictable)
+        empty = self.empty_blocks(worker, cached_blocks)
+        evicted = min(max(needed - empty, 0), load.num_free_blocks - empty)
         if evicted == 0:
             return 0.0
         f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
         return self.evict_weight * f.per_unit * evicted * request.block_size
+
+    @staticmethod
+    def empty_blocks(worker: Any, cached_blocks: int) -> int:
+        """Free blocks that hold no cached prefix: room a new prompt takes without evicting."""
+        free = worker.load.num_free_blocks
+        return free - min(max(cached_blocks, 0), free)
 
     # ------------------------------------------------------------------ cores shared on a board
     def busy_s(self, worker: Any, horizon_s: float, pool: list[Any]) -> float:

@@ -15,6 +15,13 @@ when the part of the prompt it lacks takes no longer to compute there than the s
 would take: the threshold in tokens follows from the same fits. It is then one more candidate,
 paying for the stall its running sequences suffer while it prefills.
 Candidates within ``tie_tolerance`` of the best are tied, and a tie is broken at random.
+
+Placing a new prefix (no worker holds any of the prompt) where the best candidates' caches would
+be left without room for another prompt like it: among candidates within ``placement_tolerance``
+of the best, the worker whose cache has the most empty room (SGLang's and Ray Serve's "smallest
+tree" rule). Where a prefix lands decides every later request's hits, while the estimates of
+identical idle workers differ by their rate fits' noise (10-30%); a prefix placed into the last of
+a cache's room is partly evicted by the next requests' blocks there.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ class CompletionCost(RoutingPolicy):
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
                  share_weight: float = 1.0, conditional_disaggregation: bool = True, tie_tolerance: float = 0.01,
-                 seed: int | None = None) -> None:
+                 placement_tolerance: float = 0.25, seed: int | None = None) -> None:
         self.model = CostModel(stall_weight, work_weight, evict_weight, share_weight)
         self.conditional_disaggregation = conditional_disaggregation
         self.tie_tolerance = tie_tolerance
+        self.placement_tolerance = placement_tolerance
         self._rng = random.Random(seed)
 
     def route(self, request: RouteRequest, candidates: Candidates) -> Decision:
@@ -84,10 +92,26 @@ class CompletionCost(RoutingPolicy):
                             + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d)
                             + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
                     options.append((cost, ttft, d, None))
-        best = min(o[0] for o in options)
-        tied = [o for o in options if o[0] <= best * (1 + self.tie_tolerance) + 1e-6]
+        tied = self._within(options, self.tie_tolerance)
+        reason = None
+        blocks = len(request.block_hashes)  # what the prompt leaves cached where it is prefilled
+        if self.placement_tolerance > 0 and blocks and not any(candidates.matched(w) for w in candidates.first):
+            near = self._within(options, self.placement_tolerance)
+            room = {id(o): m.empty_blocks(o[2], candidates.cached(o[2])) for o in options}
+            most, best_room = max(room[id(o)] for o in near), max(room[id(o)] for o in tied)
+            # only where the best would be left without room for another prompt like this one, and
+            # a roomier cache takes this one without evicting
+            if best_room < 2 * blocks and most >= blocks and most > best_room:
+                tied, reason = self._within([o for o in near if room[id(o)] == most], self.tie_tolerance), "cache_room"
         _, ttft, first, decode = self._rng.choice(tied)
-        return Decision(first, decode, self._reason(first, decode, candidates), candidates.matched(first), ttft)
+        reason = reason or self._reason(first, decode, candidates)
+        return Decision(first, decode, reason, candidates.matched(first), ttft)
+
+    @staticmethod
+    def _within(options: list[tuple[float, float, Any, Any | None]], tolerance: float
+                ) -> list[tuple[float, float, Any, Any | None]]:
+        low = min(o[0] for o in options)
+        return [o for o in options if o[0] <= low * (1 + tolerance) + 1e-6]
 
     @staticmethod
     def _reason(first: Any, decode: Any | None, candidates: Candidates) -> str:

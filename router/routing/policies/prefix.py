@@ -2,9 +2,11 @@
 the one Ray Serve's prefix-affinity router also follows); the baseline ``cost`` is measured against.
 
 Balanced pool: the worker holding the longest cached prefix, when it covers more than
-``cache_threshold`` of the prompt; else the least loaded. Out of balance (the busiest worker has
-``balance_abs_threshold`` more requests in flight than the idlest *and* ``balance_rel_threshold``
-times as many): the least loaded, whatever it holds. Defaults are SGLang's.
+``cache_threshold`` of the prompt; else the worker whose cache holds least (SGLang's "smallest
+tree", Ray Serve's "lowest prefix cache utilization"), so new prefixes spread over the caches; the
+least loaded among equals. Out of balance (the busiest worker has ``balance_abs_threshold`` more
+requests in flight than the idlest *and* ``balance_rel_threshold`` times as many): the least
+loaded, whatever it holds. Defaults are SGLang's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class PrefixAffinity(RoutingPolicy):
         if longest * request.block_size > self.cache_threshold * request.prompt_len:
             holders = [w for w in pool if candidates.matched(w) == longest]
             return self._least_loaded(holders), "prefix"
-        return self._least_loaded(pool), "cold"
+        smallest = min(candidates.cached(w) for w in pool)
+        return self._least_loaded([w for w in pool if candidates.cached(w) == smallest]), "cold"
 
     def route(self, request: RouteRequest, candidates: Candidates) -> Decision:
         first, reason = self._pick(request, candidates.first, candidates)

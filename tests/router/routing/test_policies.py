@@ -100,6 +100,17 @@ def test_prefix_goes_to_the_least_loaded_when_the_pool_is_out_of_balance_or_noth
     assert empty.first.worker_id == "p1" and empty.reason == "cold"
 
 
+def test_prefix_places_a_new_prefix_in_the_cache_that_holds_least() -> None:
+    """SGLang's "smallest tree": below the match threshold, the worker caching least, whatever
+    its queue; the least loaded among equals; and so in the decode pool."""
+    pol = make_policy("prefix", seed=0)
+    p = [_worker("p0", outstanding=0), _worker("p1", outstanding=3), _worker("p2", outstanding=1)]
+    d = [_worker("d0", "decode"), _worker("d1", "decode")]
+    cached = {"p0": 300, "p1": 120, "p2": 120, "d0": 50, "d1": 10}
+    x = pol.route(_request(), Candidates(p, d, {"p0": 10}, cached_blocks=cached))
+    assert (x.first.worker_id, x.decode.worker_id, x.reason) == ("p2", "d1", "cold")
+
+
 # ---------------------------------------------------------------------- cost
 def test_cost_sends_a_prompt_to_the_worker_holding_its_prefix_when_queues_are_equal() -> None:
     pol = make_policy("cost", seed=0)
@@ -152,10 +163,33 @@ def test_cost_puts_a_new_prefix_where_it_evicts_least(seed: int, layout: str) ->
     cached = {"w0": 900, "w1": 300}  # w0's free blocks all hold cached prefixes; w1 has 600 empty
     x = pol.route(_request(), Candidates([full, roomy], d, {}, cached_blocks=cached))
     assert x.first.worker_id == "w1" and x.reason == "load"
-    # room on both: a tie again, broken at random
-    firsts = Counter(pol.route(_request(), Candidates([full, roomy], d, {}, cached_blocks={"w0": 100})).first.worker_id
-                     for _ in range(100))
+    # room on both, as much on each: a tie again, broken at random
+    firsts = Counter(pol.route(_request(), Candidates([full, roomy], d, {}, cached_blocks={"w0": 100, "w1": 100})
+                               ).first.worker_id for _ in range(100))
     assert min(firsts.values()) > 20
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("layout", ["2P+1D", "colocated"])
+def test_a_new_prefix_goes_to_the_roomier_cache_when_the_estimates_differ_by_fit_noise(seed: int, layout: str) -> None:
+    """Idle workers, neither holding the prompt (63 full blocks), both with room for it: the one
+    measured 15% faster would be left with room for less than another such prompt. The prefix goes
+    where the cache has room to keep it, unless the estimates differ by more than
+    ``placement_tolerance``; where the faster one has room to spare, or some worker holds part of
+    the prompt, room does not decide."""
+    role = "colocated" if layout == "colocated" else "prefill"
+    d = [] if layout == "colocated" else [_worker("d0", "decode")]
+    fuller, roomy = _worker("w0", role, free_blocks=900), _worker("w1", role, free_blocks=900, prefill=(0.005, 1.15 / 2000))
+    cached = {"w0": 800, "w1": 200}  # 100 empty blocks on w0, 700 on w1
+    pol = make_policy("cost", seed=seed)
+    x = pol.route(_request(), Candidates([fuller, roomy], d, {}, cached_blocks=cached))
+    assert x.first.worker_id == "w1" and x.reason == "cache_room"
+    for off in (make_policy("cost", seed=seed, placement_tolerance=0.0), make_policy("cost", seed=seed, placement_tolerance=0.1)):
+        assert off.route(_request(), Candidates([fuller, roomy], d, {}, cached_blocks=cached)).first.worker_id == "w0"
+    spare = pol.route(_request(), Candidates([fuller, roomy], d, {}, cached_blocks={"w0": 600, "w1": 200}))
+    assert spare.first.worker_id == "w0" and spare.reason == "load"  # 300 empty: room for this and another
+    held = pol.route(_request(), Candidates([fuller, roomy], d, {"w0": 8}, cached_blocks=cached))
+    assert held.first.worker_id == "w0" and held.reason == "prefix"
 
 
 def test_the_eviction_price_never_outweighs_a_holder_of_the_prefix() -> None:
