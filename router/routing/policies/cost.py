@@ -11,9 +11,11 @@ request only when its queue costs more than that: no hotspot, and no cold copy o
 queue a step deep.
 
 Conditional disaggregation: a decode worker may also prefill the prompt itself (nothing shipped)
-when the part of the prompt it lacks takes no longer to compute there than the shipment it saves
-would take: the threshold in tokens follows from the same fits. It is then one more candidate,
-paying for the stall its running sequences suffer while it prefills.
+when the part of the prompt it lacks takes no longer to compute there than shipping it would add:
+the shipment, and the wait in the prefill pool's queue (the threshold in tokens follows from the
+same fits; Dynamo's rule is a fixed length and a maximum prefill queue). A prefill worker busy
+with a long prompt then does not hold up the short tails of prefixes a decode worker holds. It is
+one more candidate, paying for the stall its running sequences suffer while it prefills.
 Candidates within ``tie_tolerance`` of the best are tied, and a tie is broken at random.
 
 Placing a new prefix (no worker holds any of the prompt) where the best candidates' caches would
@@ -83,7 +85,9 @@ class CompletionCost(RoutingPolicy):
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     uncached = request.uncached(hit_d)
-                    saved = min(m.ship_s(p, request, hit_d, pool) for p in candidates.first)
+                    # a candidate where computing the tail here takes no longer than what shipping
+                    # it would add: the shipment, and the wait in the prefill worker's queue
+                    saved = min(m.ship_s(p, request, hit_d, pool) + m.queue_s(p, pool) for p in candidates.first)
                     if m.prefill_s(d, uncached, pool) > saved:
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
@@ -95,7 +99,7 @@ class CompletionCost(RoutingPolicy):
         tied = self._within(options, self.tie_tolerance)
         reason = None
         blocks = len(request.block_hashes)  # what the prompt leaves cached where it is prefilled
-        if self.placement_tolerance > 0 and blocks and not any(candidates.matched(w) for w in candidates.first):
+        if self.placement_tolerance > 0 and blocks and not any(candidates.matched(w) for w in pool):
             near = self._within(options, self.placement_tolerance)
             room = {id(o): m.empty_blocks(o[2], candidates.cached(o[2])) for o in options}
             most, best_room = max(room[id(o)] for o in near), max(room[id(o)] for o in tied)

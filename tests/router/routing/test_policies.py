@@ -190,6 +190,9 @@ def test_a_new_prefix_goes_to_the_roomier_cache_when_the_estimates_differ_by_fit
     assert spare.first.worker_id == "w0" and spare.reason == "load"  # 300 empty: room for this and another
     held = pol.route(_request(), Candidates([fuller, roomy], d, {"w0": 8}, cached_blocks=cached))
     assert held.first.worker_id == "w0" and held.reason == "prefix"
+    if d:  # a decode worker holding part of it: not a new prefix either
+        at_decode = pol.route(_request(), Candidates([fuller, roomy], d, {"d0": 8}, cached_blocks=cached))
+        assert at_decode.reason != "cache_room"
 
 
 def test_the_eviction_price_never_outweighs_a_holder_of_the_prefix() -> None:
@@ -246,9 +249,28 @@ def test_conditional_disaggregation_prefills_a_short_uncached_tail_on_the_decode
     off = make_policy("cost", seed=0, conditional_disaggregation=False)
     d[0].load.num_running = 1
     assert off.route(_request(1024 + 40), Candidates(p, d, {"p0": 64, "d0": 64})).decode is not None
-    # a fast link: shipping the tail costs less than computing it, so the pools stay disaggregated
+    # a fast link and no queue at the prefill worker: shipping the tail adds less than computing
+    # it here, so the pools stay disaggregated
     p[0].load.ship = _fit(0.001, 1 / 10e9)
+    p[0].load.reported_pending_prefill = 0
     assert pol.route(_request(1024 + 40), Candidates(p, d, {"p0": 64, "d0": 64})).decode is not None
+
+
+def test_a_short_tail_escapes_a_prefill_queue_to_the_decode_worker_that_holds_its_prefix() -> None:
+    """A fast link (shipping beats computing the tail locally), so only the prefill pool's queue
+    can make a local prefill worth it: behind a 1k-token prefill the tail is computed on the
+    decode worker holding the prefix; with the queue gone it is shipped again."""
+    pol = make_policy("cost", seed=0)
+    loopback = (0.002, 1 / 5e9)
+    p = [_worker("p0", pending=1056, ship=loopback)]
+    d = [_worker("d0", "decode", running=3)]
+    request, matched = _request(1024 + 40), {"p0": 64, "d0": 64}
+    assert CostModel().prefill_s(d[0], 40, d) > CostModel().ship_s(p[0], request, 64, p)  # the old gate said no
+    x = pol.route(request, Candidates(p, d, matched))
+    assert x.local and x.first.worker_id == "d0" and x.reason == "local_prefill"
+    p[0].load.reported_pending_prefill = 0
+    y = pol.route(request, Candidates(p, d, matched))
+    assert not y.local and y.first.worker_id == "p0" and y.decode.worker_id == "d0"
 
 
 def test_cost_on_colocated_workers_weighs_cache_against_queue() -> None:
@@ -264,7 +286,8 @@ def test_unmeasured_workers_borrow_the_pools_fit() -> None:
     pol = make_policy("cost", seed=0)
     fresh = Fake("p1", "prefill", WorkerLoad(reported_pending_prefill=1000, sole_front=False))  # nothing fitted yet
     measured = _worker("p0", pending=1000, prefill=(0.0, 1 / 100))  # a slow pool: 100 tokens/s
-    x = pol.route(_request(), Candidates([measured, fresh], [_worker("d0", "decode")], {"p0": 63}))
+    decode = _worker("d0", "decode", prefill=(0.0, 1 / 100))  # as slow: no escape to a local prefill
+    x = pol.route(_request(), Candidates([measured, fresh], [decode], {"p0": 63}))
     # with the pool's 100 tokens/s, fresh's 1000 queued tokens cost 10 s: the holder wins
     assert x.first.worker_id == "p0"
 
