@@ -35,6 +35,8 @@ from typing import Any
 from router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
 from router.routing.cost_model import CostModel
 
+_Option = tuple[float, float, Any, Any | None]  # (cost, ttft, first, decode)
+
 
 @register_policy
 class CompletionCost(RoutingPolicy):
@@ -54,8 +56,7 @@ class CompletionCost(RoutingPolicy):
     def route(self, request: RouteRequest, candidates: Candidates) -> Decision:
         pool = candidates.first + candidates.decode
         m, out = self.model, request.max_tokens
-        # (cost, ttft, first, decode)
-        options: list[tuple[float, float, Any, Any | None]] = []
+        options: list[_Option] = []
         if not candidates.decode:  # colocated: prefill and decode in one place
             for w in candidates.first:
                 hit = candidates.matched(w)
@@ -97,23 +98,30 @@ class CompletionCost(RoutingPolicy):
                             + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
                     options.append((cost, ttft, d, None))
         tied = self._within(options, self.tie_tolerance)
-        reason = None
-        blocks = len(request.block_hashes)  # what the prompt leaves cached where it is prefilled
-        if self.placement_tolerance > 0 and blocks and not any(candidates.matched(w) for w in pool):
-            near = self._within(options, self.placement_tolerance)
-            room = {id(o): m.empty_blocks(o[2], candidates.cached(o[2])) for o in options}
-            most, best_room = max(room[id(o)] for o in near), max(room[id(o)] for o in tied)
-            # only where the best would be left without room for another prompt like this one, and
-            # a roomier cache takes this one without evicting
-            if best_room < 2 * blocks and most >= blocks and most > best_room:
-                tied, reason = self._within([o for o in near if room[id(o)] == most], self.tie_tolerance), "cache_room"
-        _, ttft, first, decode = self._rng.choice(tied)
-        reason = reason or self._reason(first, decode, candidates)
+        roomy = self._roomiest(request, candidates, options, tied)
+        _, ttft, first, decode = self._rng.choice(roomy or tied)
+        reason = "cache_room" if roomy else self._reason(first, decode, candidates)
         return Decision(first, decode, reason, candidates.matched(first), ttft)
 
+    def _roomiest(self, request: RouteRequest, candidates: Candidates, options: list[_Option],
+                  tied: list[_Option]) -> list[_Option] | None:
+        """For a prompt no worker holds any of: the options near the best whose cache has the most
+        empty room, where the best ones would be left without room for another prompt like it and
+        a roomier cache takes this one without evicting; None where room does not decide."""
+        blocks = len(request.block_hashes)  # what the prompt leaves cached where it is prefilled
+        workers = candidates.first + candidates.decode
+        if self.placement_tolerance <= 0 or not blocks or any(candidates.matched(w) for w in workers):
+            return None
+        room = {w.worker_id: self.model.empty_blocks(w, candidates.cached(w)) for w in workers}
+        near = self._within(options, self.placement_tolerance)
+        most = max(room[o[2].worker_id] for o in near)
+        best_room = max(room[o[2].worker_id] for o in tied)
+        if not (best_room < 2 * blocks and most >= blocks and most > best_room):
+            return None
+        return self._within([o for o in near if room[o[2].worker_id] == most], self.tie_tolerance)
+
     @staticmethod
-    def _within(options: list[tuple[float, float, Any, Any | None]], tolerance: float
-                ) -> list[tuple[float, float, Any, Any | None]]:
+    def _within(options: list[_Option], tolerance: float) -> list[_Option]:
         low = min(o[0] for o in options)
         return [o for o in options if o[0] <= low * (1 + tolerance) + 1e-6]
 
