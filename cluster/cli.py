@@ -315,7 +315,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_kernels_is_ours() -> None:
+    """Refuse to start when another distribution's ``kernels`` (Hugging Face's, which transformers
+    >= 5.25 requires) is what ``import kernels`` finds: the workers would fail later, far from here."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    ours = Path(__file__).resolve().parent.parent / "kernels"
+    found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+    if found != ours:
+        raise SystemExit(f"baton: error: 'import kernels' finds {found or 'a namespace package'}, not Baton's "
+                         f"{ours}; another distribution uses the name (Hugging Face's 'kernels', pulled in by "
+                         "transformers >= 5.25): pip uninstall kernels, or install transformers < 5.25")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _check_kernels_is_ours()
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -187,7 +187,10 @@ def test_a_short_tail_is_prefilled_on_the_decode_worker_that_holds_its_prefix(fo
             await pool.stop()
 
     (toks0, _, first), (toks1, cached1, second) = asyncio.run(main())
-    assert first.local and first.reason == "local_prefill" and first.first.role == "decode"
+    assert first.local and first.first.role == "decode"
+    # what earlier tests left in the decode caches decides whether room picked between the two
+    # (the new-prefix placement rule); either way the prompt stays on a decode worker
+    assert first.reason in ("local_prefill", "cache_room"), recorder.seen[len(turns[0])]
     assert second.local and second.first.worker_id == first.first.worker_id  # the holder
     assert second.matched_blocks == PREFIX_BLOCKS and cached1 == PREFIX_BLOCKS * BS
     llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=BS, num_kv_blocks=NUM_BLOCKS)
