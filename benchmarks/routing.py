@@ -57,17 +57,24 @@ def _router_view(registry: Any, policy: str) -> dict[str, Any]:
 
 def _worker_view(registry: Any) -> dict[str, Any]:
     """Prompt tokens computed and cached blocks evicted, per worker: the prefill a policy spends
-    again on prefixes it let go cold, which a hit rate over all requests hides."""
+    again on prefixes it let go cold, which a hit rate over all requests hides; and each worker's
+    share of the tokens decoded, which shows a policy piling the decoding onto few workers."""
     out: dict[str, dict[str, float]] = {}
     for family in registry.collect():
         for s in family.samples:
-            if s.name == "baton:tokens_computed_total" and s.labels.get("kind") == "prefill":
-                out.setdefault(s.labels["worker"], {})["prefill_tokens"] = s.value
+            if s.name == "baton:tokens_computed_total" and s.labels.get("kind") in ("prefill", "decode"):
+                out.setdefault(s.labels["worker"], {})[f"{s.labels['kind']}_tokens"] = s.value
             elif s.name == "baton:prefix_cache_evicted_blocks_total":
                 out.setdefault(s.labels["worker"], {})["evicted_blocks"] = s.value
     return {"workers": out,
             "prefill_tokens_computed": sum(w.get("prefill_tokens", 0) for w in out.values()),
-            "evicted_blocks": sum(w.get("evicted_blocks", 0) for w in out.values())}
+            "evicted_blocks": sum(w.get("evicted_blocks", 0) for w in out.values()),
+            "decode_share": _shares({k: w.get("decode_tokens", 0) for k, w in out.items()})}
+
+
+def _shares(values: dict[str, float]) -> dict[str, float]:
+    total = sum(values.values())
+    return {k: v / total for k, v in sorted(values.items()) if v} if total else {}
 
 
 def policy_config(spec: str) -> dict[str, Any]:
@@ -161,17 +168,18 @@ def markdown(results: list[dict[str, Any]], summary: dict[str, Any], args: argpa
 
     lines = ["| layout | workload | policy | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | out tok/s | hit rate | "
              f"goodput req/s (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms) | prefill tokens computed | "
-             "blocks evicted | decisions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "blocks evicted | decode share | decisions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | failed: {r['error']} |||||||||")
+            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | failed: {r['error']} ||||||||||")
             continue
         reasons = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["decisions"].items()))
+        shares = " ".join(f"{100 * v:.0f}%" for v in r.get("decode_share", {}).values()) or "-"
         lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | {f(r['median_ttft_ms'])} | "
                      f"{f(r['p99_ttft_ms'])} | {f(r['median_tpot_ms'])} | {f(r['output_throughput'], 1)} | "
                      f"{f(r['prefix_hit_rate'] and 100 * r['prefix_hit_rate'])}% | {f(r['request_goodput'], 2)} | "
-                     f"{f(r.get('prefill_tokens_computed'))} | {f(r.get('evicted_blocks'))} | {reasons} |")
+                     f"{f(r.get('prefill_tokens_computed'))} | {f(r.get('evicted_blocks'))} | {shares} | {reasons} |")
     lines.append("")
     for layout, row in summary.items():
         for workload, ratios in row.items():
