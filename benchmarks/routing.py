@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import sys
@@ -90,7 +91,7 @@ def policy_config(spec: str) -> dict[str, Any]:
     return router
 
 
-def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, seed: int) -> dict[str, Any]:
     from cluster.bench.metrics import SLO
     from cluster.bench.runner import BenchConfig, run_async
     from cluster.bench.workload import LengthDist, WorkloadConfig
@@ -115,7 +116,7 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str) -
         while not dep.pool.ready() and time.monotonic() < deadline:
             time.sleep(0.2)
         cfg = BenchConfig(base_url=server.url, tokenizer_source=str(dep.cluster.model_path), workload=wl,
-                          num_prompts=args.num_prompts, request_rate=args.request_rate, seed=args.seed,
+                          num_prompts=args.num_prompts, request_rate=args.request_rate, seed=seed,
                           slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), num_warmups=0,
                           warmup_prefixes=args.warmup_prefixes,
                           disable_tqdm=True, request_timeout_s=args.request_timeout)
@@ -139,10 +140,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def _geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def _paired(baseline: list[dict[str, Any]], cost: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(baseline, cost) p99 TTFT of the runs that shared a seed and a turn."""
+    base = {(r.get("seed"), r.get("repeat")): r["p99_ttft_ms"] for r in baseline}
+    return [(base[k], r["p99_ttft_ms"]) for r in cost if (k := (r.get("seed"), r.get("repeat"))) in base]
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets: cost's p99 TTFT against least_loaded's (shared-prefix) and prefix's (skewed),
-    and cost's throughput against the best of the others, per layout."""
-    by = {(r["layout"], r["workload"], r["policy"]): r for r in results if "error" not in r}
+    and cost's throughput against the best of the others, per layout; over several seeds or
+    repeats, each policy's geometric mean of its runs."""
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        if "error" not in r:
+            runs.setdefault((r["layout"], r["workload"], r["policy"]), []).append(r)
+    by = {key: {"p99_ttft_ms": _geomean([r["p99_ttft_ms"] for r in rs]),
+                "output_throughput": _geomean([r["output_throughput"] for r in rs])} for key, rs in runs.items()}
     out = {}
     for layout in LAYOUTS:
         row = {}
@@ -157,7 +175,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "p99_ttft_least_loaded_over_cost": _ratio(ll and ll["p99_ttft_ms"], cost["p99_ttft_ms"]),
                 "p99_ttft_prefix_over_cost": _ratio(px and px["p99_ttft_ms"], cost["p99_ttft_ms"]),
                 "throughput_cost_over_best_other": _ratio(cost["output_throughput"], best_tp),
+                "runs": len(runs[(layout, workload, "cost")]),
             }
+            baseline = "least_loaded" if workload == "shared-prefix" else "prefix"
+            pairs = _paired(runs.get((layout, workload, baseline), []), runs[(layout, workload, "cost")])
+            if pairs:
+                row[workload][f"cost_p99_lower_than_{baseline}_in"] = f"{sum(c < b for b, c in pairs)}/{len(pairs)}"
         out[layout] = row
     return out
 
@@ -166,24 +189,26 @@ def markdown(results: list[dict[str, Any]], summary: dict[str, Any], args: argpa
     def f(v: Any, d: int = 0) -> str:
         return "-" if v is None else f"{v:.{d}f}"
 
-    lines = ["| layout | workload | policy | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | out tok/s | hit rate | "
+    lines = ["| layout | workload | policy | seed/run | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | out tok/s | hit rate | "
              f"goodput req/s (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms) | prefill tokens computed | "
              "blocks evicted | decode share | decisions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        run = f"{r.get('seed', args.seed)}/{r.get('repeat', 0)}"
         if "error" in r:
-            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | failed: {r['error']} ||||||||||")
+            lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | {run} | failed: {r['error']} ||||||||||")
             continue
         reasons = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["decisions"].items()))
         shares = " ".join(f"{100 * v:.0f}%" for v in r.get("decode_share", {}).values()) or "-"
-        lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | {f(r['median_ttft_ms'])} | "
+        lines.append(f"| {r['layout']} | {r['workload']} | {r['policy']} | {run} | {f(r['median_ttft_ms'])} | "
                      f"{f(r['p99_ttft_ms'])} | {f(r['median_tpot_ms'])} | {f(r['output_throughput'], 1)} | "
                      f"{f(r['prefix_hit_rate'] and 100 * r['prefix_hit_rate'])}% | {f(r['request_goodput'], 2)} | "
                      f"{f(r.get('prefill_tokens_computed'))} | {f(r.get('evicted_blocks'))} | {shares} | {reasons} |")
     lines.append("")
     for layout, row in summary.items():
         for workload, ratios in row.items():
-            lines.append(f"- {layout}, {workload}: " + ", ".join(f"{k} {f(v, 2)}" for k, v in ratios.items()))
+            lines.append(f"- {layout}, {workload}: " + ", ".join(
+                f"{k} {v if isinstance(v, (str, int)) else f(v, 2)}" for k, v in ratios.items()))
     return "\n".join(lines)
 
 
@@ -202,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot-fraction", type=float, default=0.7)
     ap.add_argument("--request-rate", type=float, default=1.0, help="req/s, Poisson (inf: all at once)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="several seeds, comma-separated (instead of --seed)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each seed, the policies taking turns (A B A B): this machine's noise shows "
+                         "beside the policies' difference, and the summary takes each policy's geomean")
     ap.add_argument("--warmup-prefixes", action=argparse.BooleanOptionalAction, default=True,
                     help="send each system prompt once, unmeasured, before the run (default on): p99 then "
                          "shows where the policy keeps prefixes, not the first touch of each, cold under every "
@@ -216,18 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (a .md beside it)")
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     results = []
-    for layout in args.layouts.split(","):
-        for workload in args.workloads.split(","):
-            for policy in _policy_specs(args.policies):
-                print(f"routing: {layout} / {workload} / {policy}", file=sys.stderr, flush=True)
-                row = {"layout": layout, "workload": workload, "policy": policy}
-                try:
-                    row.update(run_one(args, layout, policy, workload))
-                except Exception as exc:  # one failed run must not lose the others
-                    row["error"] = f"{type(exc).__name__}: {exc}"
-                print(json.dumps(row), file=sys.stderr, flush=True)
-                results.append(row)
+    for layout, workload, seed, repeat, policy in _schedule(args.layouts.split(","), args.workloads.split(","),
+                                                            seeds, args.repeats, _policy_specs(args.policies)):
+        print(f"routing: {layout} / {workload} / seed {seed} run {repeat} / {policy}", file=sys.stderr, flush=True)
+        row = {"layout": layout, "workload": workload, "policy": policy, "seed": seed, "repeat": repeat}
+        try:
+            row.update(run_one(args, layout, policy, workload, seed))
+        except Exception as exc:  # one failed run must not lose the others
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        results.append(row)
     summary = summarize(results)
     doc = {"date": date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
            "cpu_model": _cpu_model(), "cores": os.cpu_count(), "command": " ".join([sys.executable, *sys.argv]),
@@ -238,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
         Path(args.out).with_suffix(".md").write_text(text + "\n")
     return 0
+
+
+def _schedule(layouts: list[str], workloads: list[str], seeds: list[int], repeats: int,
+              policies: list[str]) -> list[tuple[str, str, int, int, str]]:
+    """Run order: within a cell each seed's runs take the policies in turn, so that drift in the
+    machine's speed falls on every policy alike."""
+    return [(layout, workload, seed, repeat, policy) for layout in layouts for workload in workloads
+            for seed in seeds for repeat in range(repeats) for policy in policies]
 
 
 def _policy_specs(text: str) -> list[str]:

@@ -42,3 +42,30 @@ def test_worker_view_totals_prefill_tokens_evictions_and_decode_shares_per_worke
         "decode-1": {"prefill_tokens": 0, "decode_tokens": 30, "evicted_blocks": 0}}
     assert view["prefill_tokens_computed"] == 1030 and view["evicted_blocks"] == 4
     assert view["decode_share"] == {"decode-0": 0.75, "decode-1": 0.25}  # a worker that decoded nothing is left out
+
+
+def test_repeats_take_the_policies_in_turn_within_each_seed() -> None:
+    from benchmarks.routing import _schedule
+
+    order = _schedule(["2P+2D"], ["skewed"], [0, 1], 2, ["prefix", "cost"])
+    assert [(seed, run, policy) for _, _, seed, run, policy in order] == [
+        (0, 0, "prefix"), (0, 0, "cost"), (0, 1, "prefix"), (0, 1, "cost"),
+        (1, 0, "prefix"), (1, 0, "cost"), (1, 1, "prefix"), (1, 1, "cost")]
+
+
+def test_summary_takes_each_policys_geomean_over_its_runs_and_counts_paired_wins() -> None:
+    from benchmarks.routing import summarize
+
+    def run(policy: str, seed: int, p99: float, tput: float) -> dict:
+        return {"layout": "2P+2D", "workload": "skewed", "policy": policy, "seed": seed, "repeat": 0,
+                "p99_ttft_ms": p99, "output_throughput": tput}
+
+    results = [run("prefix", 0, 100, 10), run("cost", 0, 400, 10), run("prefix", 1, 400, 10),
+               run("cost", 1, 25, 40), {"layout": "2P+2D", "workload": "skewed", "policy": "cost", "seed": 2,
+                                         "repeat": 0, "error": "TimeoutError"}]
+    cell = summarize(results)["2P+2D"]["skewed"]
+    # geomeans: prefix 200, cost 100 (the failed run counts nowhere); throughput 10 against 20
+    assert cell["p99_ttft_prefix_over_cost"] == pytest.approx(2.0)
+    assert cell["throughput_cost_over_best_other"] == pytest.approx(2.0)
+    assert cell["runs"] == 2 and cell["cost_p99_lower_than_prefix_in"] == "1/2"
+    assert summarize(results)["4 colocated"] == {}
