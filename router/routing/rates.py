@@ -31,6 +31,7 @@ class LinearCost:
     fixed: float = 0.0
     per_unit: float = 0.0
     fitted: bool = False
+    conditioned: bool = False  # both terms fitted (the intervals told overhead from per-unit cost)
     _last: tuple[float, float, float] | None = None
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # nn, nu, uu, ns, us
 
@@ -57,12 +58,25 @@ class LinearCost:
         if det > MIN_SPREAD * max(nn * uu, 1e-30):
             fixed, per_unit = (uu * ns - nu * us) / det, (nn * us - nu * ns) / det
             if fixed >= 0 and per_unit >= 0 and fixed + per_unit > 0:
-                self.fixed, self.per_unit, self.fitted = fixed, per_unit, True
+                self.fixed, self.per_unit, self.fitted, self.conditioned = fixed, per_unit, True, True
                 return
+        self.conditioned = False
         if self.fallback == "fixed" and nn > 0:
             self.fixed, self.per_unit, self.fitted = ns / nn, 0.0, True
         elif uu > 0:
             self.fixed, self.per_unit, self.fitted = 0.0, us / uu, True
+
+    def split(self, per_unit: float) -> tuple[float, float]:
+        """(fixed, per_unit) that fit this worker's own intervals best given ``per_unit`` (a cost
+        measured where the intervals told the two terms apart): the overhead is what its steps
+        take beyond their units at that cost. Where that leaves none, its one-term fit."""
+        nn, nu, _, ns, _ = self._sums
+        if nn <= 0 or per_unit <= 0:
+            return self.fixed, self.per_unit
+        fixed = (ns - per_unit * nu) / nn  # least squares for the overhead, the per-unit cost given
+        if fixed <= 0:
+            return self.fixed, self.per_unit
+        return fixed, per_unit
 
     def seconds(self, units: float, count: float = 1.0) -> float:
         return self.fixed * count + self.per_unit * units
