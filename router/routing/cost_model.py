@@ -9,7 +9,8 @@ decoding            = output tokens x the decode worker's step time with one mor
 A worker that has not done the work yet borrows the mean fit of those that have; before any has,
 a prior stands in (the first requests of a deployment only). A worker whose steps were all alike
 (a holder of a hot prefix, fed only its short tails) cannot tell its step overhead from its
-per-token cost: it takes the per-token cost from workers whose steps could, and its own steps'
+per-token cost (its one term measured 7-10 ms a token where its mates' two measured 3.5): it takes
+the per-token cost from workers whose steps could (``LinearCost.conditioned``), and its own steps'
 times decide its overhead (``LinearCost.split``). ``stall_weight`` prices the delay a
 prefill on a busy worker inflicts on the sequences decoding there: a decode worker prefilling
 locally, or a colocated worker, pays the time the prompt's tokens add to its steps (their

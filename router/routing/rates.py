@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_SPREAD = 0.02  # how unlike (1 - r^2) the intervals' units per step must be to fit two terms
+# ... and to be trusted over a pool's: at 0.02 a few percent of timing noise still moves the
+# per-unit cost by tens of percent (a holder of a hot prefix measured 7 ms a token, its mates 3.5)
+TRUSTED_SPREAD = 0.1
 
 
 @dataclass
@@ -31,7 +34,7 @@ class LinearCost:
     fixed: float = 0.0
     per_unit: float = 0.0
     fitted: bool = False
-    conditioned: bool = False  # both terms fitted (the intervals told overhead from per-unit cost)
+    conditioned: bool = False  # both terms fitted from intervals unlike enough to trust (TRUSTED_SPREAD)
     _last: tuple[float, float, float] | None = None
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # nn, nu, uu, ns, us
 
@@ -58,7 +61,8 @@ class LinearCost:
         if det > MIN_SPREAD * max(nn * uu, 1e-30):
             fixed, per_unit = (uu * ns - nu * us) / det, (nn * us - nu * ns) / det
             if fixed >= 0 and per_unit >= 0 and fixed + per_unit > 0:
-                self.fixed, self.per_unit, self.fitted, self.conditioned = fixed, per_unit, True, True
+                self.fixed, self.per_unit, self.fitted = fixed, per_unit, True
+                self.conditioned = det >= TRUSTED_SPREAD * nn * uu
                 return
         self.conditioned = False
         if self.fallback == "fixed" and nn > 0:
