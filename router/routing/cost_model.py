@@ -7,11 +7,7 @@ KV shipment         = per-shipment overhead + blocks the decode worker lacks x b
 decoding            = output tokens x the decode worker's step time with one more sequence running
 
 A worker that has not done the work yet borrows the mean fit of those that have; before any has,
-a prior stands in (the first requests of a deployment only). A worker whose steps were all alike
-(a holder of a hot prefix, fed only its short tails) cannot tell its step overhead from its
-per-token cost (its one term measured 7-10 ms a token where its mates' two measured 3.5): it takes
-the per-token cost from workers whose steps could (``LinearCost.conditioned``), and its own steps'
-times decide its overhead (``LinearCost.split``). ``stall_weight`` prices the delay a
+a prior stands in (the first requests of a deployment only). ``stall_weight`` prices the delay a
 prefill on a busy worker inflicts on the sequences decoding there: a decode worker prefilling
 locally, or a colocated worker, pays the time the prompt's tokens add to its steps (their
 per-token part: the steps happen for its running sequences anyway) once per sequence, times the
@@ -62,19 +58,9 @@ class _Fit:
 
 def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
     own: LinearCost = getattr(worker.load, attr)
-    if own.conditioned:
-        return _Fit(own.fixed, own.per_unit)
-    fits = [getattr(w.load, attr) for w in pool]
-    conditioned = [f for f in fits if f.conditioned]
     if own.fitted:
-        if conditioned:
-            # Its intervals were alike (a holder fed only short tails of its prefixes): its one
-            # term folds the step overhead into the tokens, pricing a long prompt there several
-            # times too high. The per-unit cost comes from workers whose intervals told the two
-            # apart; its own totals decide the overhead.
-            return _Fit(*own.split(sum(f.per_unit for f in conditioned) / len(conditioned)))
         return _Fit(own.fixed, own.per_unit)
-    fitted = conditioned or [f for f in fits if f.fitted]
+    fitted = [getattr(w.load, attr) for w in pool if getattr(w.load, attr).fitted]
     if fitted:
         return _Fit(sum(f.fixed for f in fitted) / len(fitted), sum(f.per_unit for f in fitted) / len(fitted))
     return _Fit(*prior)

@@ -11,9 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_SPREAD = 0.02  # how unlike (1 - r^2) the intervals' units per step must be to fit two terms
-# ... and to be trusted over a pool's: at 0.02 a few percent of timing noise still moves the
-# per-unit cost by tens of percent (a holder of a hot prefix measured 7 ms a token, its mates 3.5)
-TRUSTED_SPREAD = 0.1
 
 
 @dataclass
@@ -34,7 +31,6 @@ class LinearCost:
     fixed: float = 0.0
     per_unit: float = 0.0
     fitted: bool = False
-    conditioned: bool = False  # both terms fitted from intervals unlike enough to trust (TRUSTED_SPREAD)
     _last: tuple[float, float, float] | None = None
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # nn, nu, uu, ns, us
 
@@ -62,25 +58,11 @@ class LinearCost:
             fixed, per_unit = (uu * ns - nu * us) / det, (nn * us - nu * ns) / det
             if fixed >= 0 and per_unit >= 0 and fixed + per_unit > 0:
                 self.fixed, self.per_unit, self.fitted = fixed, per_unit, True
-                self.conditioned = det >= TRUSTED_SPREAD * nn * uu
                 return
-        self.conditioned = False
         if self.fallback == "fixed" and nn > 0:
             self.fixed, self.per_unit, self.fitted = ns / nn, 0.0, True
         elif uu > 0:
             self.fixed, self.per_unit, self.fitted = 0.0, us / uu, True
-
-    def split(self, per_unit: float) -> tuple[float, float]:
-        """(fixed, per_unit) that fit this worker's own intervals best given ``per_unit`` (a cost
-        measured where the intervals told the two terms apart): the overhead is what its steps
-        take beyond their units at that cost. Where that leaves none, its one-term fit."""
-        nn, nu, _, ns, _ = self._sums
-        if nn <= 0 or per_unit <= 0:
-            return self.fixed, self.per_unit
-        fixed = (ns - per_unit * nu) / nn  # least squares for the overhead, the per-unit cost given
-        if fixed <= 0:
-            return self.fixed, self.per_unit
-        return fixed, per_unit
 
     def seconds(self, units: float, count: float = 1.0) -> float:
         return self.fixed * count + self.per_unit * units

@@ -292,35 +292,6 @@ def test_unmeasured_workers_borrow_the_pools_fit() -> None:
     assert x.first.worker_id == "p0"
 
 
-def _measured(intervals: list[tuple[int, int]], fixed: float = 0.05, per_unit: float = 0.0014) -> LinearCost:
-    fit, count, units, seconds = LinearCost(), 0.0, 0.0, 0.0
-    fit.observe(count, units, seconds)
-    for n, u in intervals:
-        count, units, seconds = count + n, units + u, seconds + fixed * n + per_unit * u
-        fit.observe(count, units, seconds)
-    return fit
-
-
-def test_a_holder_fed_only_short_tails_is_priced_at_the_pool_s_per_token_cost() -> None:
-    # The holder's steps each took ~32 prompt tokens: its own fit charges the 50 ms step overhead
-    # to them (3 ms a token where the true cost is 1.4). Its queue of 1200 tokens then looks like
-    # 3.7 s, more than a cold copy on an idle worker (~3 s with the work it adds), and the prefix
-    # would be copied for a queue that drains in 1.7 s.
-    holder = _worker("c0", "colocated", pending=1200)
-    holder.load.prefill = _measured([(20, 640), (21, 672), (19, 608)])
-    idle = _worker("c1", "colocated")
-    idle.load.prefill = _measured([(1, 1056), (6, 200), (2, 1100), (9, 300)])
-    assert idle.load.prefill.conditioned and not holder.load.prefill.conditioned
-    pool = [holder, idle]
-    assert CostModel().queue_s(holder, pool) == pytest.approx(1200 * 0.0014)
-    assert CostModel().prefill_s(holder, 1000, pool) == pytest.approx(0.05 + 1.4)
-    pol = make_policy("cost", seed=0)
-    assert pol.route(_request(1056), Candidates(pool, [], {"c0": 64})).first.worker_id == "c0"
-    # with no two-term fit in the pool to borrow from, it goes by its own one term: a cold copy
-    idle.load.prefill = _fit(0.05, 0.0014)
-    assert pol.route(_request(1056), Candidates(pool, [], {"c0": 64})).first.worker_id == "c1"
-
-
 @pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix", "cost"])
 def test_a_stale_or_removed_worker_never_breaks_a_decision(name: str) -> None:
     index = PrefixIndex(ttl_s=5.0)

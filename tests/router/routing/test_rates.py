@@ -64,36 +64,3 @@ def test_the_fit_follows_a_worker_that_slows_down() -> None:
         count, units, seconds = count + 1, units + 100 * (i + 1), seconds + 0.004 * 100 * (i + 1)
         fit.observe(count, units, seconds)
     assert fit.per_unit == pytest.approx(0.004, rel=0.1)
-
-
-def test_a_two_term_fit_is_conditioned_and_a_one_term_fallback_is_not() -> None:
-    varied, alike = LinearCost(), LinearCost()
-    _feed(varied, [(1, 100), (4, 120), (2, 900), (8, 64)], fixed=0.01, per_unit=0.0005)
-    _feed(alike, [(1, 32), (2, 64), (3, 96)], fixed=0.05, per_unit=0.0014)
-    assert varied.conditioned and alike.fitted and not alike.conditioned
-
-
-def test_given_a_per_unit_cost_the_overhead_comes_from_the_worker_s_own_intervals() -> None:
-    fit = LinearCost()
-    _feed(fit, [(20, 640), (21, 672), (19, 608)], fixed=0.05, per_unit=0.0014)  # 32 tokens a step
-    assert not fit.conditioned and fit.per_unit == pytest.approx(0.05 / 32 + 0.0014)
-    fixed, per_unit = fit.split(0.0014)
-    assert fixed == pytest.approx(0.05) and per_unit == 0.0014
-    assert fixed + per_unit * 1000 == pytest.approx(1.45)  # a long prompt, where the one term said 3.0 s
-    # a per-unit cost its own steps could not have paid leaves no overhead: its one term stands
-    assert fit.split(0.01) == (fit.fixed, fit.per_unit)
-
-
-def test_a_two_term_fit_from_intervals_barely_unlike_is_used_but_not_trusted() -> None:
-    fit = LinearCost()
-    count = units = seconds = 0.0
-    fit.observe(count, units, seconds)
-    # 24-45 tokens a step (1 - r^2 ~ 0.024), timing off by 4%: two terms, the per-token one 19% off
-    for i, (n, u) in enumerate([(20, 640), (10, 480), (20, 700), (15, 480), (20, 900), (12, 400)]):
-        count, units = count + n, units + u
-        seconds += (0.05 * n + 0.0014 * u) * (1.04 if i % 2 else 0.96)
-        fit.observe(count, units, seconds)
-    assert fit.fitted and fit.fixed > 0 and not fit.conditioned
-    assert abs(fit.per_unit / 0.0014 - 1) > 0.1
-    fixed, per_unit = fit.split(0.0014)  # given a trusted per-token cost, the overhead is near its own
-    assert fixed == pytest.approx(0.05, rel=0.05)
