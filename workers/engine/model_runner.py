@@ -35,10 +35,11 @@ class ModelRunner:
         self.device = torch.device(device)
         attn = model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        # shared: in a memfd that decode workers on this machine map (workers.kv.shared)
+        # shared: where decode workers on this machine map it (workers.kv.shared): a memfd, or on a
+        # GPU behind a CUDA IPC handle
         self.kv_export: KVExport | None = None
-        if shared and self.device.type == "cpu":
-            self.kv_caches, self.kv_export = allocate_shared(len(model.layers), shape, model.dtype)
+        if shared:
+            self.kv_caches, self.kv_export = allocate_shared(len(model.layers), shape, model.dtype, self.device)
         else:
             self.kv_caches: list[KVCache] = [
                 (torch.zeros(shape, dtype=model.dtype, device=self.device),

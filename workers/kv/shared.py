@@ -1,4 +1,4 @@
-"""Same-machine KV sharing: a prefill worker's paged cache in a memfd its decode peers map.
+"""Same-machine KV sharing: a prefill worker's paged cache that its decode peers map.
 
 When both workers of a pair run on one machine with the cache in host memory, the decode worker
 maps the prefill worker's KV cache (an anonymous memfd, opened through ``/proc/<pid>/fd``) and
@@ -6,10 +6,16 @@ copies a request's blocks straight into its own, with its whole OpenMP team, in 
 the cores. One copy, where the collective path makes four (gather, two socket copies, scatter) on
 side threads that preempt whichever step is running. The kernel frees the memory once the
 exporting process and every mapping of it are gone, so a crash leaves nothing behind.
+
+A cache on a GPU is exported as a CUDA IPC handle instead, and a decode worker maps it only when it
+sees the same physical GPU (by UUID): two workers sharing one GPU cannot use NCCL at all (it refuses
+two ranks on one device), and a device-to-device copy is the cheapest move there is. The memfd then
+only names the export, so that ``export_alive`` works alike for both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import uuid
@@ -50,6 +56,7 @@ class KVExport:
     num_layers: int
     shape: tuple[int, ...]  # one layer's K (or V) cache: [blocks, block_size, kv_heads, head_dim]
     dtype: str
+    cuda: dict | None = None  # a GPU cache: its device's UUID and the CUDA IPC handle (``_cuda_ipc``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,16 +70,24 @@ class KVExport:
         return 2 * self.num_layers * math.prod(self.shape) * parse_dtype(self.dtype).itemsize
 
 
-def allocate_shared(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[KVCache], KVExport]:
-    """Zeroed K and V caches for ``num_layers`` layers in one memfd, and how peers map it.
-    The descriptor stays open for the life of the process (peers open it through /proc)."""
+def allocate_shared(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> tuple[list[KVCache], KVExport]:
+    """Zeroed K and V caches for ``num_layers`` layers in one allocation peers can map (a memfd,
+    or GPU memory behind a CUDA IPC handle), and how they map it. The memfd stays open for the
+    life of the process (peers open it through /proc; for a GPU cache it only names the export)."""
+    device = torch.device(device)
     name = str(dtype).removeprefix("torch.")
     token = uuid.uuid4().hex
     fd = os.memfd_create(f"baton-kv-{token}", os.MFD_CLOEXEC)
     export = KVExport(machine_id(), os.getpid(), fd, token, num_layers, tuple(shape), name)
     try:
-        os.ftruncate(fd, export.nbytes)
-        caches = _views(f"/proc/self/fd/{fd}", export)
+        if device.type == "cuda":
+            flat = torch.zeros(export.nbytes // dtype.itemsize, dtype=dtype, device=device)
+            export = dataclasses.replace(export, cuda=_cuda_ipc(flat))
+            caches = _split(flat, export)
+        else:
+            os.ftruncate(fd, export.nbytes)
+            caches = _views(f"/proc/self/fd/{fd}", export)
     except BaseException:
         os.close(fd)
         raise
@@ -99,19 +114,53 @@ def map_export(export: KVExport) -> list[KVCache]:
         size = os.stat(path).st_size
     except OSError as exc:
         raise KVTransferError(f"cannot open the KV cache of pid {export.pid}: {exc}") from exc
-    if f"baton-kv-{export.token}" not in target or size != export.nbytes:
+    if f"baton-kv-{export.token}" not in target or size != (0 if export.cuda else export.nbytes):
         raise KVTransferError(f"pid {export.pid} fd {export.fd} is not the exported KV cache "
                               f"({target}, {size} bytes)")
     try:
-        return _views(path, export)
+        return _open_cuda(export) if export.cuda else _views(path, export)
     except RuntimeError as exc:  # the process exited between the checks and the mapping
         raise KVTransferError(f"cannot map the KV cache of pid {export.pid}: {exc}") from exc
 
 
 def _views(path: str, export: KVExport) -> list[KVCache]:
-    per = math.prod(export.shape)
-    flat = torch.from_file(path, shared=True, size=2 * export.num_layers * per,
+    flat = torch.from_file(path, shared=True, size=export.nbytes // parse_dtype(export.dtype).itemsize,
                            dtype=parse_dtype(export.dtype))
+    return _split(flat, export)
+
+
+def _split(flat: torch.Tensor, export: KVExport) -> list[KVCache]:
+    per = math.prod(export.shape)
     return [(flat[(2 * i) * per:(2 * i + 1) * per].view(export.shape),
              flat[(2 * i + 1) * per:(2 * i + 2) * per].view(export.shape))
             for i in range(export.num_layers)]
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _cuda_ipc(flat: torch.Tensor) -> dict:
+    """The IPC handle of ``flat``'s allocation, as plain fields (what torch's multiprocessing
+    reductions send, without pickling tensor classes)."""
+    (_, handle, size, offset, ref_handle, ref_offset, event, event_sync) = flat.untyped_storage()._share_cuda_()
+    return {"uuid": _device_uuid(flat.device.index), "handle": handle, "size": size, "offset": offset,
+            "ref_handle": ref_handle, "ref_offset": ref_offset, "event": event, "event_sync": event_sync}
+
+
+def _open_cuda(export: KVExport) -> list[KVCache]:
+    """Open a GPU cache's IPC handle on this process's view of the same physical device (its
+    index may differ here: ``CUDA_VISIBLE_DEVICES``); ``KVTransferError`` when it is not visible."""
+    ipc = export.cuda
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = next((i for i in range(visible) if _device_uuid(i) == ipc["uuid"]), None)
+    if index is None:
+        raise KVTransferError(f"the GPU holding the KV cache of pid {export.pid} ({ipc['uuid']}) is not "
+                              f"visible to this process")
+    storage = torch.UntypedStorage._new_shared_cuda(index, ipc["handle"], ipc["size"], ipc["offset"],
+                                                    ipc["ref_handle"], ipc["ref_offset"], ipc["event"],
+                                                    ipc["event_sync"])
+    dtype = parse_dtype(export.dtype)
+    flat = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
+    flat.set_(storage, 0, (export.nbytes // dtype.itemsize,), (1,))
+    return _split(flat, export)

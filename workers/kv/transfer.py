@@ -222,6 +222,8 @@ class KVTransferEngine:
                 for (sk, sv), (k, v) in zip(source, self.kv_caches):
                     self._copy_layer(sk, k, src, dst)
                     self._copy_layer(sv, v, src, dst)
+                if self.device.type == "cuda":  # the sender frees its blocks once we return
+                    torch.cuda.synchronize(self.device)
                 rec.bytes = 2 * len(self.kv_caches) * len(dst_ids) * self.kv_caches[0][0][0].nbytes
         return rec.bytes
 

@@ -1,6 +1,7 @@
 """KV between workers on one machine: the decode worker maps the prefill worker's cache, which
-lives in shared memory (``workers.kv.shared``), and copies the blocks out of it in its own turn
-at the cores: one RPC and one copy per request, no socket, no second buffer."""
+lives in shared memory or, on a GPU, behind a CUDA IPC handle (``workers.kv.shared``), and copies
+the blocks out of it in its own turn at the cores: one RPC and one copy per request, no socket, no
+second buffer. Two workers on one GPU have no other way: NCCL refuses two ranks on one device."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ log = logging.getLogger("baton.kv")
 @register_connector
 class SharedMemoryConnector(KVConnector):
     """Reaches a peer only when it runs on this Ray node and could map our exported cache (same
-    machine and PID namespace, and /proc lets it open our descriptor); asked once per peer. Two
-    Ray nodes on one machine (network namespaces, containers) never share: KV between nodes goes
-    over the network, as it would between machines."""
+    machine and PID namespace, /proc lets it open our descriptor, and for a GPU cache it sees our
+    GPU); asked once per peer. Two Ray nodes on one machine (network namespaces, containers)
+    never share: KV between nodes goes over the network, as it would between machines."""
 
     name = "shared_memory"
     needs_shared_cache = True
