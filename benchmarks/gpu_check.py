@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-engine", action="store_true", help="kernels only")
     parser.add_argument("--work-dir", default=None, help="where the random-weight 1B model is written "
                         "(default: the Baton cache)")
+    parser.add_argument("--smol-shape-from", default=None, metavar="DIR",
+                        help="a folder with the default model's config and tokenizer but not its weights: "
+                        "the engine stage fills that shape with random weights (a device machine the "
+                        "94 MB GGUF cannot travel to)")
     args = parser.parse_args(argv)
     if args.engine_smoke:
         return _write(Path(args.out), _engine_only(args))
@@ -354,19 +358,24 @@ def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) ->
     from workers.checkpoint.default_model import cache_root, default_model_path
 
     t0 = time.monotonic()
-    smol = Path(default_model_path())
+    work = Path(args.work_dir) if args.work_dir else cache_root() / "models"
+    if args.smol_shape_from:  # same shape and tokenizer, random weights: parity holds on any weights
+        smol = engine_check.write_random_llama(work / "random-smollm2", Path(args.smol_shape_from), {},
+                                               torch.float32)
+    else:
+        smol = Path(default_model_path())
     cache = {"kv_cache_memory_gib": 0.25} if device.type == "cpu" else {"gpu_memory_utilization": 0.6}
     parity = engine_check.greedy_parity(smol, device, new_tokens=6 if smoke else 32, **cache)
     big_shape = ({"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2} if smoke else engine_check.LLAMA_1B)
-    work = Path(args.work_dir) if args.work_dir else cache_root() / "models"
     big = engine_check.write_random_llama(work / ("random-llama-smoke" if smoke else "random-llama-1b"), smol,
                                           big_shape, torch.bfloat16)
     # (requests, prompt tokens, output tokens) per model: the 1B one with a quarter of the requests
     sizes = [(4, 16, 8), (4, 32, 8)] if smoke else [(256, 256, 128), (64, 512, 128)]
     runs = [engine_check.offline_throughput(folder, device, "bfloat16", *size, **cache)
             for folder, size in zip((smol, big), sizes)]
-    return {"parity": parity, "throughput": runs, "elapsed_s": time.monotonic() - t0}
+    return {"parity": parity, "throughput": runs, "smollm2_weights": "random" if args.smol_shape_from else "real",
+            "elapsed_s": time.monotonic() - t0}
 
 
 def _engine_only(args: argparse.Namespace) -> dict[str, Any]:
