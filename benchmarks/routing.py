@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from datetime import date
@@ -91,7 +92,8 @@ def policy_config(spec: str) -> dict[str, Any]:
     return router
 
 
-def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, seed: int) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, seed: int,
+            decision_log: str | None = None) -> dict[str, Any]:
     from cluster.bench.metrics import SLO
     from cluster.bench.runner import BenchConfig, run_async
     from cluster.bench.workload import LengthDist, WorkloadConfig
@@ -102,7 +104,8 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, s
     config = ClusterConfig.model_validate({
         "engine": {"dtype": args.dtype, "threads_per_worker": args.threads_per_worker,
                    "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_batched_tokens": 1024},
-        "pools": LAYOUTS[layout], "router": policy_config(policy), "ray": {"num_cpus": os.cpu_count()},
+        "pools": LAYOUTS[layout], "router": {**policy_config(policy), "decision_log": decision_log},
+        "ray": {"num_cpus": os.cpu_count()},
     })
     wl = WorkloadConfig(name="shared-prefix", input_len=LengthDist(args.suffix_len),
                         output_len=LengthDist(args.output_len), num_prefixes=args.num_prefixes,
@@ -242,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tpot-ms", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--run-timeout", type=float, default=600.0)
+    ap.add_argument("--decision-log", default=None, metavar="DIR",
+                    help="write each run's routing decisions and measured TTFTs to DIR/<run>.jsonl "
+                    "([router] decision_log; benchmarks/routing_decisions.py reads them)")
     ap.add_argument("--out", default=None, help="JSON path (a .md beside it)")
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -251,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                                                             seeds, args.repeats, _policy_specs(args.policies)):
         print(f"routing: {layout} / {workload} / seed {seed} run {repeat} / {policy}", file=sys.stderr, flush=True)
         row = {"layout": layout, "workload": workload, "policy": policy, "seed": seed, "repeat": repeat}
+        log = _decision_log_path(args.decision_log, row)
+        if log:
+            row["decision_log"] = log
         try:
-            row.update(run_one(args, layout, policy, workload, seed))
+            row.update(run_one(args, layout, policy, workload, seed, log))
         except Exception as exc:  # one failed run must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -275,6 +284,15 @@ def _schedule(layouts: list[str], workloads: list[str], seeds: list[int], repeat
     machine's speed falls on every policy alike."""
     return [(layout, workload, seed, repeat, policy) for layout in layouts for workload in workloads
             for seed in seeds for repeat in range(repeats) for policy in policies]
+
+
+def _decision_log_path(folder: str | None, row: dict[str, Any]) -> str | None:
+    """DIR/<layout>_<workload>_<policy>_s<seed>_r<repeat>.jsonl, made of safe characters; None without DIR."""
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    name = "_".join([row["layout"], row["workload"], row["policy"], f"s{row['seed']}", f"r{row['repeat']}"])
+    return str(Path(folder) / (re.sub(r"[^A-Za-z0-9._=+-]+", "-", name) + ".jsonl"))
 
 
 def _policy_specs(text: str) -> list[str]:

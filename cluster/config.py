@@ -184,6 +184,9 @@ class RouterSection(BaseModel):
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")
+    decision_log: str | None = Field(None, description="a JSON-lines file every front appends each routing "
+                                     "decision to (every candidate's load and rate fits, every option's price "
+                                     "under cost) and each request's measured TTFT: for studying a policy")
 
     @field_validator("policy")
     @classmethod

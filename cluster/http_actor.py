@@ -50,7 +50,8 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
     pool = PoolClient(workers, limits, max_queued=config.server.max_queued_requests,
                       on_stats=metrics.on_worker_stats, controller=controller, metrics=metrics,
                       policy=router.make_policy(), events_interval_s=router.events_interval_s,
-                      index_ttl_s=router.index_ttl_s, sole_front=sole_front, admission=admission.kv,
+                      index_ttl_s=router.index_ttl_s, decision_log=router.decision_log,
+                      sole_front=sole_front, admission=admission.kv,
                       max_migrations=config.recovery.max_migrations,
                       migration_wait_s=config.recovery.migration_wait_s,
                       probe_timeout_s=config.kv_transfer.timeout_s)

@@ -22,6 +22,7 @@ from typing import Any
 from router.prefix_index import PrefixIndex
 from router.routing import Candidates, Decision, RouteRequest, RoutingPolicy, WorkerLoad, make_policy
 from router.routing.cost_model import CostModel
+from router.routing.decision_log import DecisionLog
 from workers.actor.messages import decode_deltas, params_to_dict
 from workers.actor.output_stream import FRAME, frame, hello_payload
 from workers.blocks.prefix_hash import CacheNamespace, block_hashes
@@ -144,7 +145,8 @@ class PoolClient:
                  policy: RoutingPolicy | str = "cost", on_stats: Any = None, controller: Any = None,
                  metrics: Any = None, events_interval_s: float = 0.25, index_ttl_s: float = 10.0,
                  sole_front: bool = True, admission: Any = None, max_migrations: int = 3,
-                 migration_wait_s: float = 30.0, probe_timeout_s: float = 5.0) -> None:
+                 migration_wait_s: float = 30.0, probe_timeout_s: float = 5.0,
+                 decision_log: str | None = None) -> None:
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.load.sole_front = sole_front
@@ -163,6 +165,7 @@ class PoolClient:
         self._attempts = 0
         self._tasks: list[asyncio.Task] = []
         self.front_id = f"front-{uuid.uuid4().hex[:8]}"  # workers keep one stream or outbox per front
+        self.decision_log = DecisionLog(decision_log, self.front_id) if decision_log else None
         self.controller = controller  # GlobalController handle, or None to ask workers directly
         self._overloaded = False
         self._writers: list[asyncio.StreamWriter] = []
@@ -207,6 +210,8 @@ class PoolClient:
         for writer in self._writers:
             writer.close()
         self._writers.clear()
+        if self.decision_log is not None:
+            self.decision_log.close()
 
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -226,7 +231,7 @@ class PoolClient:
         wire_id = f"{request_id}~{self.front_id[6:]}.{self._attempts}"
         self._streams[request_id] = placeholder = _Stream(asyncio.Queue(), params.n, set(), wire_id)
         try:
-            decision, hashes = self._route(prompt_token_ids, cache_salt, params)
+            decision, hashes = self._route(prompt_token_ids, cache_salt, params, log_as=wire_id)
             if self.admission is not None:
                 decision, hashes, params = await self._admit(wire_id, prompt_token_ids, cache_salt, params,
                                                              priority, ticket, decision, hashes, request_id=request_id)
@@ -360,8 +365,12 @@ class PoolClient:
             for w in (placed.first, placed.decode):
                 if w is not None:
                     self.index.predict(w.worker_id, placed.hashes)
-        if delta.token_ids and self.metrics is not None and stream.migrations == 0:
-            self.metrics.observe_route_ttft(self.policy.name, placed.estimated_ttft_s, time.monotonic() - arrival)
+        if delta.token_ids and stream.migrations == 0:
+            ttft = time.monotonic() - arrival
+            if self.metrics is not None:
+                self.metrics.observe_route_ttft(self.policy.name, placed.estimated_ttft_s, ttft)
+            if self.decision_log is not None:
+                self.decision_log.ttft(stream.wire_id, ttft)
 
     async def _replace(self, stream: _Stream, why: _Migrate, prompt_token_ids: list[int], params: SamplingParams,
                        salt: str | None, priority: int, ticket: Any) -> tuple[Decision, list[bytes], SamplingParams]:
@@ -382,7 +391,7 @@ class PoolClient:
         resumed = [*prompt_token_ids, *longest]
         while True:
             try:
-                decision, hashes = self._route(resumed, salt, params)
+                decision, hashes = self._route(resumed, salt, params, log_as=stream.wire_id)
                 break
             except OverloadedError:
                 if time.monotonic() >= deadline:
@@ -481,7 +490,7 @@ class PoolClient:
             if charge:  # a migration re-reserves what the tenant was charged for once
                 ticket.charge_tokens(len(prompt_token_ids) + held.max_tokens * params.n)
         if held.worker_id != keeper.worker_id or held.queued_s > 0:
-            decision, hashes = self._route(prompt_token_ids, salt, params, keeper=held.worker_id)
+            decision, hashes = self._route(prompt_token_ids, salt, params, keeper=held.worker_id, log_as=wire_id)
         return decision, hashes, params
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
@@ -532,10 +541,11 @@ class PoolClient:
 
     # ------------------------------------------------------------------ internals
     def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
-               keeper: str | None = None) -> tuple[Decision, list[bytes]]:
+               keeper: str | None = None, log_as: str = "") -> tuple[Decision, list[bytes]]:
         """The policy's decision, and the prompt's block hashes (for renewing the index's prediction).
 
-        ``keeper``: the worker that must hold the KV (where stage 2 reserved it).
+        ``keeper``: the worker that must hold the KV (where stage 2 reserved it). ``log_as``: the
+        request's id in the decision log.
         """
         alive = [w for w in self.workers.values() if w.alive]
         if self.colocated:
@@ -556,10 +566,14 @@ class PoolClient:
                                max(min(max_tokens, self.limits.max_model_len - len(prompt_token_ids)), 1) * params.n,
                                self._kv_block_bytes)
         held = {w.worker_id: self.index.held(w.worker_id, now) for w in alive}
-        decision = self.policy.route(request, Candidates(first, decode, matched, stale, held))
+        candidates = Candidates(first, decode, matched, stale, held)
+        decision = self.policy.route(request, candidates)
         if decision.estimated_ttft_s is None:
             decision.estimated_ttft_s = self._estimator.ttft_s(decision.first, request, decision.matched_blocks,
                                                                alive)
+        if self.decision_log is not None:
+            self.decision_log.decision(log_as, self.policy.name, request, candidates, decision,
+                                       rerouted=keeper is not None)
         # The chosen workers will hold these blocks in a moment: later requests sharing the prefix
         # follow this one instead of waiting for the events that say so.
         for w in (decision.first, decision.decode):

@@ -147,6 +147,8 @@ class Decision:
     reason: str
     matched_blocks: int = 0  # prompt blocks ``first`` holds already
     estimated_ttft_s: float | None = None
+    # what a pricing policy weighed: (first id, decode id or None, cost s, estimated TTFT s) per option
+    considered: list[tuple[str, str | None, float, float]] = field(default_factory=list)
 
     @property
     def local(self) -> bool:

@@ -69,3 +69,14 @@ def test_summary_takes_each_policys_geomean_over_its_runs_and_counts_paired_wins
     assert cell["throughput_cost_over_best_other"] == pytest.approx(2.0)
     assert cell["runs"] == 2 and cell["cost_p99_lower_than_prefix_in"] == "1/2"
     assert summarize(results)["4 colocated"] == {}
+
+
+def test_each_run_gets_its_own_decision_log_path_the_config_accepts(tmp_path) -> None:
+    from benchmarks.routing import _decision_log_path
+
+    row = {"layout": "4 colocated", "workload": "skewed", "policy": "cost:share_weight=0", "seed": 1, "repeat": 0}
+    path = _decision_log_path(str(tmp_path / "logs"), row)
+    assert path == str(tmp_path / "logs" / "4-colocated_skewed_cost-share_weight=0_s1_r0.jsonl")
+    assert (tmp_path / "logs").is_dir() and _decision_log_path(None, row) is None
+    router = ClusterConfig.model_validate({"router": {**policy_config("cost"), "decision_log": path}}).router
+    assert router.decision_log == path

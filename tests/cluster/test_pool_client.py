@@ -4,6 +4,7 @@ what its caller gets, so these tests fix that order exactly instead of racing re
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from hypothesis import given, settings
@@ -63,14 +64,15 @@ FULL = {0: [11, 12, 13, 14], 1: [21, 22, 23, 24]}
 
 
 def _pool(script, decode: ScriptedWorker | None = None, poll: type[_Poll] = _Poll,
-          migration_wait_s: float = 1.0) -> tuple[PoolClient, ScriptedWorker]:
+          migration_wait_s: float = 1.0, decision_log: str | None = None) -> tuple[PoolClient, ScriptedWorker]:
     """One prefill worker running ``script`` (its output read through ``poll``) and one decode worker."""
     worker = ScriptedWorker(script)
     worker.poll = poll(worker)
     refs = [WorkerRef("prefill-0", "prefill", worker),
             WorkerRef("decode-0", "decode", decode or ScriptedWorker(lambda *a: []))]
     pool = PoolClient(refs, RequestLimits(vocab_size=100, max_model_len=64, num_blocks=64, block_size=8),
-                      policy=make_policy("round_robin"), migration_wait_s=migration_wait_s)
+                      policy=make_policy("round_robin"), migration_wait_s=migration_wait_s,
+                      decision_log=decision_log)
     return pool, worker
 
 
@@ -180,6 +182,30 @@ def test_decode_tokens_that_overtake_the_prefill_workers_first_token_wait_for_it
     toks, reasons = asyncio.run(main())
     assert toks == {0: [11, 12, 13, 14]} and reasons == {0: "length"}
     assert pool.migrations_total == 0
+
+
+def test_the_decision_log_pairs_each_routed_request_with_its_measured_ttft(tmp_path):
+    decode = ScriptedWorker(lambda *a: [])
+    path = tmp_path / "decisions.jsonl"
+    pool, worker = _pool(_handoff(decode, [12, 13]), decode, decision_log=str(path))
+
+    async def main():
+        await pool.start(stats_interval_s=0.05)
+        try:
+            return await asyncio.wait_for(_collect(pool, SamplingParams(max_tokens=3)), 10)
+        finally:
+            await pool.stop()
+
+    toks, _ = asyncio.run(main())
+    assert toks == {0: [11, 12, 13]}
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    (wire_id, _), = worker.added
+    decision, ttft = records
+    assert (decision["kind"], decision["id"], decision["policy"]) == ("decision", wire_id, "round_robin")
+    assert (decision["first"], decision["decode"]) == ("prefill-0", "decode-0")
+    assert {w["id"] for w in decision["workers"]} == {"prefill-0", "decode-0"}
+    assert (ttft["kind"], ttft["id"]) == ("ttft", wire_id) and 0 < ttft["ttft_s"] < 10
+    assert pool.decision_log._fd is None  # stop() closed it
 
 
 @settings(max_examples=200, deadline=None)

@@ -101,7 +101,9 @@ class CompletionCost(RoutingPolicy):
         roomy = self._roomiest(request, candidates, options, tied)
         _, ttft, first, decode = self._rng.choice(roomy or tied)
         reason = "cache_room" if roomy else self._reason(first, decode, candidates)
-        return Decision(first, decode, reason, candidates.matched(first), ttft)
+        considered = [(f.worker_id, d.worker_id if d is not None else None, cost, est)
+                      for cost, est, f, d in options]
+        return Decision(first, decode, reason, candidates.matched(first), ttft, considered)
 
     def _roomiest(self, request: RouteRequest, candidates: Candidates, options: list[_Option],
                   tied: list[_Option]) -> list[_Option] | None:
