@@ -30,16 +30,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _caches(torch: Any, spec: dict[str, Any], device: Any, seed: int | None) -> list[tuple[Any, Any]]:
-    """Per layer (K, V) of ``[blocks, block_size, heads, head_dim]``: seeded random, or NaN-poisoned."""
+    """Per layer (K, V) of ``[blocks, block_size, heads, head_dim]`` in one allocation, as a worker
+    holds them (``workers.kv.layout``): seeded random, or NaN-poisoned."""
+    from workers.kv.layout import allocate_kv
+
     shape = (spec["blocks"], spec["block_size"], spec["heads"], spec["head_dim"])
-    dtype = getattr(torch, spec["dtype"])
+    caches = allocate_kv(spec["layers"], shape, getattr(torch, spec["dtype"]), device)
     gen = torch.Generator().manual_seed(seed or 0)
-
-    def one() -> Any:
-        t = torch.full(shape, float("nan")) if seed is None else torch.randn(shape, generator=gen)
-        return t.to(dtype).to(device)
-
-    return [(one(), one()) for _ in range(spec["layers"])]
+    for k, v in caches:
+        for t in (k, v):
+            t.copy_(torch.full(shape, float("nan")) if seed is None else torch.randn(shape, generator=gen))
+    return caches
 
 
 def _ids(spec: dict[str, Any], rank: int) -> list[int]:

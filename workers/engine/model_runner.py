@@ -12,6 +12,7 @@ import torch
 
 from kernels import backend
 from workers.engine.scheduler import ScheduledRequest, SchedulerOutput
+from workers.kv.layout import allocate_kv
 from workers.kv.shared import KVExport, allocate_shared
 from workers.model.attention import AttentionMetadata
 from workers.model.llama import KVCache, LlamaForCausalLM
@@ -41,11 +42,7 @@ class ModelRunner:
         if shared:
             self.kv_caches, self.kv_export = allocate_shared(len(model.layers), shape, model.dtype, self.device)
         else:
-            self.kv_caches: list[KVCache] = [
-                (torch.zeros(shape, dtype=model.dtype, device=self.device),
-                 torch.zeros(shape, dtype=model.dtype, device=self.device))
-                for _ in model.layers
-            ]
+            self.kv_caches: list[KVCache] = allocate_kv(len(model.layers), shape, model.dtype, self.device)
         # Swap space: [layers, K/V, host blocks, ...] in host memory (pinned when the cache is on a GPU).
         self.host_cache = torch.zeros((len(model.layers), 2, num_host_blocks) + shape[1:], dtype=model.dtype,
                                       pin_memory=self.device.type == "cuda") if num_host_blocks else None

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from workers.errors import KVTransferError
+from workers.kv.layout import split_layers
 from workers.model.llama import KVCache
 from workers.model.loader import parse_dtype
 
@@ -130,10 +131,7 @@ def _views(path: str, export: KVExport) -> list[KVCache]:
 
 
 def _split(flat: torch.Tensor, export: KVExport) -> list[KVCache]:
-    per = math.prod(export.shape)
-    return [(flat[(2 * i) * per:(2 * i + 1) * per].view(export.shape),
-             flat[(2 * i + 1) * per:(2 * i + 2) * per].view(export.shape))
-            for i in range(export.num_layers)]
+    return split_layers(flat, export.num_layers, export.shape)
 
 
 def _device_uuid(index: int) -> str:

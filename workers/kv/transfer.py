@@ -27,6 +27,7 @@ import torch
 
 from kernels import backend
 from workers.errors import KVTransferError
+from workers.kv.layout import stacked
 from workers.kv.pair_group import (  # noqa: F401  (re-exported: the worker imports them from here)
     KVTransferRejected,
     PairGroup,
@@ -81,6 +82,7 @@ class KVTransferEngine:
         if first.dim() != 4 or first.shape[1] != block_size or first.dtype not in _DTYPES:
             raise ValueError(f"cache {tuple(first.shape)} {first.dtype} is not [blocks, {block_size}, H, D]")
         self.kv_caches = list(kv_caches)
+        self._stack = stacked(self.kv_caches)  # every layer at once, where the cache is one allocation
         self.block_size = block_size
         self.device = torch.device(device)
         self.num_blocks, _, self.num_kv_heads, self.head_dim = first.shape
@@ -158,8 +160,7 @@ class KVTransferEngine:
             elif ids.numel():
                 buf = torch.empty(self.buffer_shape(ids.numel()), dtype=self.dtype, device=self.device)
                 group.recv(buf, _TAG_DATA)
-                for (k, v), layer in zip(self.kv_caches, buf):
-                    self._scatter_layer(k, v, ids, layer)
+                self._scatter_all(ids, buf)
                 rec.bytes += buf.nbytes
             group.send(self._scalar(seq), _TAG_ACK)
         return rec.bytes
@@ -219,9 +220,14 @@ class KVTransferEngine:
                 raise KVTransferRejected(f"copy_blocks_from: {bad}")
             if dst_ids:
                 src, dst = self._index(src_ids), self._index(dst_ids)
-                for (sk, sv), (k, v) in zip(source, self.kv_caches):
-                    self._copy_layer(sk, k, src, dst)
-                    self._copy_layer(sv, v, src, dst)
+                source_stack = stacked(list(source))
+                if source_stack is not None and self._stack is not None and source_stack.device == self.device:
+                    with torch.inference_mode():  # two indexed copies for every layer at once
+                        self._stack.index_copy_(1, dst, source_stack.index_select(1, src))
+                else:
+                    for (sk, sv), (k, v) in zip(source, self.kv_caches):
+                        self._copy_layer(sk, k, src, dst)
+                        self._copy_layer(sv, v, src, dst)
                 if self.device.type == "cuda":  # the sender frees its blocks once we return
                     torch.cuda.synchronize(self.device)
                 rec.bytes = 2 * len(self.kv_caches) * len(dst_ids) * self.kv_caches[0][0][0].nbytes
@@ -259,9 +265,19 @@ class KVTransferEngine:
 
     @torch.inference_mode()
     def _gather_all(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._stack is not None:  # K0, V0, K1, ... is the buffer's [layers, 2] order
+            return self._stack.index_select(1, ids).view(self.buffer_shape(ids.numel()))
         # One extra copy (gather, then stack) buys a single contiguous send.
         parts = [backend.gather_kv_blocks(c, ids) for layer in self.kv_caches for c in layer]
         return torch.stack(parts).view(self.buffer_shape(ids.numel()))
+
+    @torch.inference_mode()
+    def _scatter_all(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
+        if self._stack is not None:
+            self._stack.index_copy_(1, ids, buf.view((-1,) + tuple(buf.shape[2:])))
+            return
+        for (k, v), layer in zip(self.kv_caches, buf):
+            self._scatter_layer(k, v, ids, layer)
 
     @torch.inference_mode()
     def _scatter_layer(self, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> None:
