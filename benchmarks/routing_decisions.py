@@ -48,15 +48,16 @@ def summarize(path: str | Path) -> dict[str, Any]:
             w["ratios"].append(measured / estimated)
         for view in d["workers"]:
             fits = per_worker.setdefault(view["id"], {"decisions": 0, "ratios": [], "prefill_fit": []})["prefill_fit"]
-            if view["prefill_fit"][2] and (not fits or fits[-1] != view["prefill_fit"][:2]):
-                fits.append(view["prefill_fit"][:2])
+            fit = view["prefill_fit"]
+            if fit is not None and (not fits or fits[-1] != list(fit)):
+                fits.append(list(fit))
         longest = max(v["matched"] for v in d["workers"])
         if longest and d["matched_blocks"] < longest:
             holder = max(d["workers"], key=lambda v: v["matched"])
             copies.append({"id": d["id"], "t": d["t"], "reason": d["reason"], "to": d["first"],
                            "matched": d["matched_blocks"], "holder": holder["id"], "holder_matched": longest,
                            "holder_pending_prefill": holder["pending_prefill"], "holder_running": holder["running"],
-                           "holder_prefill_fit": holder["prefill_fit"][:2], "estimated_ttft_s": d["estimated_ttft_s"],
+                           "holder_prefill_fit": holder["prefill_fit"], "estimated_ttft_s": d["estimated_ttft_s"],
                            "measured_ttft_s": measured, "prompt_len": d["prompt_len"],
                            "options": sorted(d["options"], key=lambda o: o[2])[:4]})
     workers = {}

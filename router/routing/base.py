@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from router.routing.rates import LinearCost
+from router.routing.rates import LinearCost, StepFit
 from workers.registry import Registry
 
 
@@ -40,6 +40,7 @@ class WorkerLoad:
     prefill: LinearCost = field(default_factory=LinearCost)
     decode: LinearCost = field(default_factory=lambda: LinearCost(fallback="fixed"))
     ship: LinearCost = field(default_factory=lambda: LinearCost(min_units=1024.0))
+    step: StepFit = field(default_factory=StepFit)  # the three terms of a step, fitted to steps
     # Workers naming one board take turns at its cores (workers.actor.core_share): a step asks for
     # ``step_threads`` of them. Empty on hardware of the worker's own (a GPU, a reserved CPU).
     core_board: str = ""
@@ -62,6 +63,7 @@ class WorkerLoad:
                              prefill_s)
         self.decode.observe(stats.get("num_decode_steps", 0), stats.get("num_decode_tokens_computed", 0),
                             max(float(stats.get("busy_seconds", 0.0)) - prefill_s, 0.0))
+        self.step.observe(stats.get("step_moments"))
         extra = stats.get("extra") or {}
         share = extra.get("core_share") or {}
         self.core_board, self.board_cores = str(share.get("board", "")), int(share.get("cores", 0))
@@ -78,6 +80,18 @@ class WorkerLoad:
             return
         share = min((wanted_s - last[0]) / (now - last[1]), 1.0)
         self.demand = 0.5 * self.demand + 0.5 * share
+
+    def fit(self, kind: str, steps: bool = True) -> tuple[float, float] | None:
+        """(seconds a step, seconds per unit) of ``kind`` (``prefill``: per prompt token, ``decode``:
+        per running sequence, ``ship``: per byte), or None before this worker measured it. The
+        step fit where the steps tell that term apart (and ``steps``), else the interval fit."""
+        step = self.step
+        if steps and kind == "prefill" and step.prefill_fitted:
+            return step.overhead, step.per_prefill_token
+        if steps and kind == "decode" and step.decode_fitted:
+            return step.overhead, step.per_decode_seq
+        cost: LinearCost = getattr(self, kind)
+        return (cost.fixed, cost.per_unit) if cost.fitted else None
 
     @property
     def pending_prefill(self) -> int:

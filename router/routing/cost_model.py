@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.routing.base import RouteRequest
-from router.routing.rates import LinearCost
 
 # Priors until a worker reports (SmolLM2-135M fp32 on 2 Zen 3 cores, order of magnitude).
 PRIOR_PREFILL = (0.005, 1 / 2000)  # seconds per step, per prompt token
@@ -56,13 +55,13 @@ class _Fit:
     per_unit: float
 
 
-def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
-    own: LinearCost = getattr(worker.load, attr)
-    if own.fitted:
-        return _Fit(own.fixed, own.per_unit)
-    fitted = [getattr(w.load, attr) for w in pool if getattr(w.load, attr).fitted]
+def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float], steps: bool = True) -> _Fit:
+    own = worker.load.fit(attr, steps)
+    if own is not None:
+        return _Fit(*own)
+    fitted = [f for f in (w.load.fit(attr, steps) for w in pool) if f is not None]
     if fitted:
-        return _Fit(sum(f.fixed for f in fitted) / len(fitted), sum(f.per_unit for f in fitted) / len(fitted))
+        return _Fit(sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))
     return _Fit(*prior)
 
 
@@ -70,20 +69,24 @@ class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
-                 share_weight: float = 1.0) -> None:
+                 share_weight: float = 1.0, step_fit: bool = True) -> None:
         self.stall_weight = stall_weight
         self.work_weight = work_weight
         self.evict_weight = evict_weight
         self.share_weight = share_weight
+        self.step_fit = step_fit  # False: the interval fits alone (the model before the step fit)
+
+    def _fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
+        return _fit(worker, attr, pool, prior, self.step_fit)
 
     def prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
-        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        f = self._fit(worker, "prefill", pool, PRIOR_PREFILL)
         return f.fixed + f.per_unit * tokens
 
     def queue_s(self, worker: Any, pool: Iterable[Any]) -> float:
         # Per token only: queued prompts share steps with the new one (continuous batching), so
         # the per-step overhead is paid once, in ``prefill_s``.
-        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        f = self._fit(worker, "prefill", pool, PRIOR_PREFILL)
         return f.per_unit * max(worker.load.pending_prefill, 0)
 
     def ttft_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
@@ -92,12 +95,12 @@ class CostModel:
 
     def ship_s(self, prefill: Any, request: RouteRequest, decode_matched: int, pool: list[Any]) -> float:
         blocks = max(request.num_blocks - decode_matched, 0)
-        f = _fit(prefill, "ship", pool, PRIOR_SHIP)
+        f = self._fit(prefill, "ship", pool, PRIOR_SHIP)
         return f.fixed + f.per_unit * blocks * request.kv_block_bytes
 
     def itl_s(self, worker: Any, pool: list[Any]) -> float:
         running = worker.load.running + 1
-        f = _fit(worker, "decode", pool, PRIOR_DECODE)
+        f = self._fit(worker, "decode", pool, PRIOR_DECODE)
         return f.fixed + f.per_unit * running
 
     def decode_s(self, worker: Any, tokens: int, pool: list[Any]) -> float:
@@ -115,7 +118,7 @@ class CostModel:
         """What prefilling the uncached part here costs the requests that arrive after it."""
         if self.work_weight == 0:
             return 0.0
-        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        f = self._fit(worker, "prefill", pool, PRIOR_PREFILL)
         return self.work_weight * f.per_unit * request.uncached(matched_blocks)
 
     def stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
@@ -141,7 +144,7 @@ class CostModel:
         evicted = min(max(needed - empty, 0), load.num_free_blocks - empty)
         if evicted == 0:
             return 0.0
-        f = _fit(worker, "prefill", pool, PRIOR_PREFILL)
+        f = self._fit(worker, "prefill", pool, PRIOR_PREFILL)
         return self.evict_weight * f.per_unit * evicted * request.block_size
 
     @staticmethod
@@ -170,7 +173,7 @@ class CostModel:
     def stepping_s(self, worker: Any, prefill_tokens: int, decode_tokens: int, pool: list[Any]) -> float:
         """Core time ``worker`` spends on a request's tokens: on a worker that steps anyway only their
         per-token and per-sequence parts (they ride in its steps), on an idle one its steps whole."""
-        pf, df = _fit(worker, "prefill", pool, PRIOR_PREFILL), _fit(worker, "decode", pool, PRIOR_DECODE)
+        pf, df = self._fit(worker, "prefill", pool, PRIOR_PREFILL), self._fit(worker, "decode", pool, PRIOR_DECODE)
         prefill = pf.per_unit * prefill_tokens
         decode = df.per_unit * decode_tokens
         if not _stepping(worker):

@@ -60,9 +60,9 @@ def _worker_view(worker: Any, candidates: Candidates) -> dict[str, Any]:
             "cached": candidates.cached(worker), "stale": worker.worker_id in candidates.stale,
             "pending_prefill": load.pending_prefill, "running": load.running,
             "free_blocks": load.num_free_blocks, "demand": round(load.demand, 4),
-            "prefill_fit": _fit(load.prefill), "decode_fit": _fit(load.decode), "ship_fit": _fit(load.ship)}
-
-
-def _fit(cost: Any) -> list[Any]:
-    """[fixed s, per-unit s, fitted]: the rate fit the cost model read."""
-    return [cost.fixed, cost.per_unit, cost.fitted]
+            # what the cost model read ([s a step, s a unit], None: unmeasured), and where from
+            "prefill_fit": load.fit("prefill"), "decode_fit": load.fit("decode"), "ship_fit": load.fit("ship"),
+            "step_fit": [load.step.overhead, load.step.per_prefill_token, load.step.per_decode_seq,
+                         load.step.prefill_fitted, load.step.decode_fitted],
+            "interval_fits": {k: [c.fixed, c.per_unit, c.fitted] for k, c in
+                              (("prefill", load.prefill), ("decode", load.decode))}}

@@ -2,13 +2,17 @@
 
 Every estimate is ``seconds = fixed * count + per_unit * units``: a per-step (or per-shipment)
 overhead plus a per-token (or per-byte) cost, fitted by exponentially weighted least squares
-over the increments between two stats snapshots. Nothing is configured: until a worker has done
-some of the work, ``fitted`` is False and callers use the pool's other workers (or a prior).
+over the increments between two stats snapshots (``LinearCost``), or, for a step, over the steps
+themselves from the moments the engine sums (``StepFit``: overhead + prompt tokens + decoding
+sequences). Nothing is configured: until a worker has done some of the work, ``fitted`` is False
+and callers use the pool's other workers (or a prior).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 MIN_SPREAD = 0.02  # how unlike (1 - r^2) the intervals' units per step must be to fit two terms
 
@@ -71,3 +75,83 @@ class LinearCost:
     def units_per_second(self) -> float | None:
         """The marginal rate (units per second of work), or None before a fit or without a per-unit term."""
         return 1.0 / self.per_unit if self.fitted and self.per_unit > 0 else None
+
+
+# The engine's per-step moments, summed since start: n, P, D, PP, PD, DD, t, tP, tD for steps of t
+# seconds computing P prompt tokens and D decode tokens (``EngineCore.step_moments``).
+MOMENTS = 9
+
+
+@dataclass
+class StepFit:
+    """Fits one step's ``seconds = overhead + per_prefill_token * P + per_decode_seq * D`` to the
+    steps themselves, from the moments the engine sums over them.
+
+    Interval totals cannot tell these apart on a worker whose steps all mix a short prompt tail
+    with decodes (the holder of a hot prefix): ``LinearCost`` then puts a whole step's time on its
+    prompt tokens, several times their real cost. Step by step, the mix varies (a step with no
+    prompt, one with a tail, one with a whole prompt), and least squares over the steps separates
+    the three. A term is fitted only where the steps tell it apart from the others (the uncentred
+    1 - R^2 of its column against the rest at least ``MIN_SPREAD``, as ``LinearCost`` asks), and
+    only with every term non-negative; the others stay unfitted and callers use ``LinearCost``.
+    """
+
+    decay: float = 0.8
+    overhead: float = 0.0
+    per_prefill_token: float = 0.0
+    per_decode_seq: float = 0.0
+    prefill_fitted: bool = False
+    decode_fitted: bool = False
+    _last: tuple[float, ...] | None = None
+    _sums: tuple[float, ...] = (0.0,) * MOMENTS
+
+    def observe(self, moments: list[float] | tuple[float, ...] | None) -> None:
+        """Take the engine's cumulative moments; a step count that went down (a restarted worker)
+        starts a new baseline."""
+        if not moments or len(moments) != MOMENTS:
+            return
+        last, self._last = self._last, tuple(float(m) for m in moments)
+        if last is None:
+            return
+        inc = [m - prev for m, prev in zip(self._last, last)]
+        if inc[0] < 0:
+            self._sums = (0.0,) * MOMENTS  # restarted: the old steps were another process's
+            return
+        if inc[0] == 0:
+            return
+        self._sums = tuple(self.decay * s + i for s, i in zip(self._sums, inc))
+        self._solve()
+
+    def _solve(self) -> None:
+        n, p, d, pp, pd, dd, t, tp, td = self._sums
+        gram = {("1", "1"): n, ("1", "P"): p, ("1", "D"): d, ("P", "P"): pp, ("P", "D"): pd, ("D", "D"): dd}
+        rhs = {"1": t, "P": tp, "D": td}
+        active = [c for c, sq in (("P", pp), ("D", dd)) if sq > 0]
+        while True:
+            cols = ["1", *active]
+            a = np.array([[gram.get((r, c), gram.get((c, r), 0.0)) for c in cols] for r in cols])
+            try:
+                inv = np.linalg.inv(a)
+            except np.linalg.LinAlgError:
+                inv = None
+            if inv is not None:
+                # uncentred 1 - R^2 of each column against the others: 1 / (G_jj * (G^-1)_jj)
+                spread = {c: 1.0 / (a[j, j] * inv[j, j]) if a[j, j] * inv[j, j] > 0 else 0.0
+                          for j, c in enumerate(cols) if c != "1"}
+                coef = dict(zip(cols, inv @ np.array([rhs[c] for c in cols])))
+                weak = [c for c in active if spread[c] < MIN_SPREAD or coef[c] < 0]
+                if not weak and coef["1"] >= 0:
+                    break
+            if not active:
+                self.prefill_fitted = self.decode_fitted = False
+                return
+            # drop a term the steps do not tell apart (or that came out negative), the least
+            # distinct first, and solve again without it
+            if inv is None:
+                active.pop()
+            else:
+                active.remove(min(weak or active, key=lambda c: spread[c]))
+        self.overhead = float(coef["1"])
+        self.per_prefill_token = float(coef.get("P", 0.0))
+        self.per_decode_seq = float(coef.get("D", 0.0))
+        self.prefill_fitted, self.decode_fitted = "P" in active, "D" in active

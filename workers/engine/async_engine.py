@@ -52,6 +52,7 @@ class EngineStats:
     kv_events_epoch: str = ""
     kv_events_seq: int = 0
     num_evicted_blocks: int = 0  # cached blocks evicted for reuse
+    step_moments: list[float] = field(default_factory=list)  # EngineCore.step_moments, for routers' fits
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,7 +160,7 @@ class AsyncEngine:
                            len(e.paused), e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
                            e.num_decode_tokens_computed, e.prefill_seconds, e.pending_prefill_tokens,
                            e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq,
-                           num_evicted_blocks=bm.num_evicted_blocks)
+                           num_evicted_blocks=bm.num_evicted_blocks, step_moments=list(e.step_moments))
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""

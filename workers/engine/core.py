@@ -67,6 +67,9 @@ class EngineCore(KVMigrationMixin):
         self.num_prefill_steps = 0  # steps with prefill tokens (a mixed step counts in both)
         self.num_decode_steps = 0
         self.pending_prefill_tokens = 0  # prompt positions still to compute, as of the last step
+        # Per step of t seconds with P prompt and D decode tokens, summed: n, P, D, PP, PD, DD, t, tP,
+        # tD. Routers fit t = overhead + b P + c D to the steps themselves (router.routing.rates.StepFit).
+        self.step_moments = [0.0] * 9
 
     @staticmethod
     def _host_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
@@ -196,6 +199,16 @@ class EngineCore(KVMigrationMixin):
                 # A mixed step's time is split by token share: a decode token costs about what a
                 # prefill token does in the matmuls, which dominate on every device we serve on.
                 self.prefill_seconds += elapsed * prefill_tokens / out.num_batched_tokens
+            m, p, d = self.step_moments, float(prefill_tokens), float(len(out.decodes))
+            m[0] += 1.0
+            m[1] += p
+            m[2] += d
+            m[3] += p * p
+            m[4] += p * d
+            m[5] += d * d
+            m[6] += elapsed
+            m[7] += elapsed * p
+            m[8] += elapsed * d
             self._count_pending_prefill()
 
     def _count_pending_prefill(self) -> None:

@@ -55,7 +55,8 @@ def test_a_cost_decision_is_logged_with_every_option_and_worker_and_read_back_as
     assert chosen[0] == "p1" and chosen[3] == d["estimated_ttft_s"]
     views = {w["id"]: w for w in d["workers"]}
     assert views["p0"]["matched"] == 63 and views["p0"]["pending_prefill"] == 8000
-    assert views["p0"]["prefill_fit"] == [0.005, 1 / 2000, True]
+    assert views["p0"]["prefill_fit"] == [0.005, 1 / 2000]  # the interval fit: no step moments came
+    assert views["p0"]["step_fit"][3:] == [False, False]
 
     summary = routing_decisions.summarize(log_path)
     assert summary["decisions"] == 1 and summary["with_ttft"] == 1 and summary["reasons"] == {"hotspot_avoided": 1}

@@ -226,3 +226,20 @@ def test_auto_dtype_resolves_once_for_the_whole_engine(tiny_model_dir) -> None:
     assert llm.config.dtype == llm.engine.config.dtype == want
     assert str(llm.engine.model.dtype) == f"torch.{want}"
     assert llm.engine.block_manager.namespace.kv_dtype == want
+
+
+def test_step_moments_sum_every_step_for_the_routers_step_fit(llm):
+    """n, P, D, PP, PD, DD, t, tP, tD over the steps: the counts agree with the engine's totals."""
+    e = llm.engine
+    before = list(e.step_moments)
+    steps, prefill, decode, busy = e.num_steps, e.num_prefill_tokens_computed, e.num_decode_tokens_computed, \
+        e.busy_seconds
+    prompts = [llm.tokenizer.encode(t) for t in ("Hello world! How are you today?", "def f(x):", "a b c d e f g")]
+    llm.generate(prompts, _greedy(max_tokens=5))
+    m = [a - b for a, b in zip(e.step_moments, before)]
+    assert m[0] == e.num_steps - steps > 0
+    assert m[1] == e.num_prefill_tokens_computed - prefill > 0
+    assert m[2] == e.num_decode_tokens_computed - decode > 0
+    assert m[6] == pytest.approx(e.busy_seconds - busy)
+    assert m[3] >= m[1] ** 2 / m[0] and m[5] >= m[2] ** 2 / m[0]  # sums of squares, not squared sums
+    assert 0 < m[7] and 0 < m[8]
