@@ -71,7 +71,26 @@ def summarize(path: str | Path) -> dict[str, Any]:
     for d in decisions:
         reasons[d["reason"]] = reasons.get(d["reason"], 0) + 1
     return {"log": str(path), "decisions": len(decisions), "with_ttft": sum(d["id"] in ttfts for d in decisions),
-            "reasons": reasons, "workers": workers, "copies": copies}
+            "reasons": reasons, "by_kind": by_kind(decisions, ttfts), "workers": workers, "copies": copies}
+
+
+def by_kind(decisions: list[dict[str, Any]], ttfts: dict[str, float], tail_tokens: int = 64) -> dict[str, Any]:
+    """Measured against estimated TTFT by what the request asked of its worker: a ``tail`` (at most
+    ``tail_tokens`` uncached) or a ``long`` prompt, ``/queue`` where prompt tokens were queued there
+    already. The rate fits show in the long prompts and the queues; most requests are tails."""
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for d in decisions:
+        measured, estimated = ttfts.get(d["id"]), d.get("estimated_ttft_s")
+        if measured is None or not estimated:
+            continue
+        first = next(w for w in d["workers"] if w["id"] == d["first"])
+        uncached = d["prompt_len"] - d["matched_blocks"] * d.get("block_size", 16)
+        kind = ("tail" if uncached <= tail_tokens else "long") + ("/queue" if first["pending_prefill"] > 0 else "")
+        kinds.setdefault(kind, []).append((measured, estimated))
+    return {k: {"n": len(v), "measured_p50_s": round(statistics.median(m for m, _ in v), 4),
+                "estimated_p50_s": round(statistics.median(e for _, e in v), 4),
+                "measured_over_estimated": _quantiles(sorted(m / e for m, e in v))}
+            for k, v in sorted(kinds.items())}
 
 
 def _quantiles(values: list[float]) -> dict[str, float] | None:
@@ -89,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [summarize(p) for p in args.logs]
     for s in summaries:
         print(f"{s['log']}: {s['decisions']} decisions ({s['with_ttft']} with a TTFT), reasons {s['reasons']}")
+        for kind, k in s["by_kind"].items():
+            print(f"  {kind}: {k['n']} requests, TTFT p50 measured {k['measured_p50_s'] * 1e3:.0f} ms, estimated "
+                  f"{k['estimated_p50_s'] * 1e3:.0f} ms, measured/estimated {k['measured_over_estimated']}")
         for wid, w in s["workers"].items():
             fit = w["prefill_fit_last"]
             fit_text = f"{fit[0] * 1e3:.1f} ms + {fit[1] * 1e3:.3f} ms/token" if fit else "-"

@@ -34,7 +34,8 @@ class DecisionLog:
                      "first": decision.first.worker_id,
                      "decode": decision.decode.worker_id if decision.decode is not None else None,
                      "matched_blocks": decision.matched_blocks, "estimated_ttft_s": decision.estimated_ttft_s,
-                     "prompt_len": request.prompt_len, "max_tokens": request.max_tokens, "rerouted": rerouted,
+                     "prompt_len": request.prompt_len, "block_size": request.block_size,
+                     "max_tokens": request.max_tokens, "rerouted": rerouted,
                      "options": [list(o) for o in decision.considered], "workers": workers})
 
     def ttft(self, request_id: str, seconds: float) -> None:

@@ -63,6 +63,10 @@ def test_a_cost_decision_is_logged_with_every_option_and_worker_and_read_back_as
     (copy,) = summary["copies"]
     assert (copy["to"], copy["holder"], copy["holder_matched"], copy["measured_ttft_s"]) == ("p1", "p0", 63, 0.25)
     assert summary["workers"]["p1"]["measured_over_estimated"]["p50"] == round(0.25 / d["estimated_ttft_s"], 3)
+    # a 1024-token prompt p1 held none of, with nothing queued there: a long prompt, no queue
+    assert summary["by_kind"] == {"long": {"n": 1, "measured_p50_s": 0.25,
+                                           "estimated_p50_s": round(d["estimated_ttft_s"], 4),
+                                           "measured_over_estimated": summary["workers"]["p1"]["measured_over_estimated"]}}
 
 
 def test_a_rerouted_request_keeps_its_last_decision(tmp_path: Path) -> None:
