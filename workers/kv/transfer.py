@@ -221,7 +221,7 @@ class KVTransferEngine:
             if dst_ids:
                 src, dst = self._index(src_ids), self._index(dst_ids)
                 source_stack = stacked(list(source))
-                if source_stack is not None and self._stack is not None and source_stack.device == self.device:
+                if source_stack is not None and self._stack is not None and source_stack.device == self._stack.device:
                     with torch.inference_mode():  # two indexed copies for every layer at once
                         self._stack.index_copy_(1, dst, source_stack.index_select(1, src))
                 else:
