@@ -35,8 +35,7 @@ class Recording(RoutingPolicy):
         self.by_length[request.prompt_len] = decision
         self.seen[request.prompt_len] = [  # for the failure message
             (w.worker_id, candidates.matched(w), w.load.pending_prefill, w.load.outstanding,
-             f"prefill {w.load.prefill.fixed * 1e3:.2f} ms + {w.load.prefill.per_unit * 1e6:.1f} us/token",
-             f"decode {w.load.decode.fixed * 1e3:.2f} ms + {w.load.decode.per_unit * 1e3:.3f} ms/seq")
+             f"prefill fit (s, s/token) {w.load.fit('prefill')}", f"decode fit (s, s/seq) {w.load.fit('decode')}")
             for w in candidates.first + candidates.decode]
         return decision
 
@@ -163,9 +162,9 @@ def test_a_short_tail_is_prefilled_on_the_decode_worker_that_holds_its_prefix(fo
     prefix = [(t * 7 + 1) % (vocab - 3) + 3 for t in prefixes[0]]  # a system prompt no other test used
     turns = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (2, 5)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    recorder = Recording(make_policy("cost", seed=0))  # its views name every candidate on a failure
 
     async def main():
-        recorder = Recording(make_policy("cost", seed=0))
         pool = PoolClient(cluster.workers, cluster.limits, policy=recorder, events_interval_s=0.05)
         await pool.start(stats_interval_s=3600)  # the fits below stay as set
         for w in cluster.workers:
