@@ -181,9 +181,9 @@ class RouterSection(BaseModel):
                                 "every worker as if its cores were its own)")
     placement_tolerance: float = Field(0.25, ge=0, description="cost: a prompt no worker holds goes to the "
                                        "roomiest cache among candidates this close to the best (0: the best)")
-    step_fit: bool = Field(True, description="cost: price a step from a fit to the steps themselves (overhead, "
-                           "per prompt token, per decoding sequence); false: from fits over stats intervals "
-                           "alone, which put a mixed step's overhead on its prompt tokens")
+    step_fit: bool = Field(False, description="cost: price a step from a fit to the steps themselves (overhead, "
+                           "per prompt token, per decoding sequence) where it has the term; false (default): "
+                           "from fits over stats intervals, which put a mixed step's overhead on its prompt tokens")
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")

@@ -69,12 +69,14 @@ class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
-                 share_weight: float = 1.0, step_fit: bool = True) -> None:
+                 share_weight: float = 1.0, step_fit: bool = False) -> None:
         self.stall_weight = stall_weight
         self.work_weight = work_weight
         self.evict_weight = evict_weight
         self.share_weight = share_weight
-        self.step_fit = step_fit  # False: the interval fits alone (the model before the step fit)
+        # True: price steps from the fit to the steps themselves where it has a term (opt-in: on tiny
+        # models its per-worker overheads differ by noise more than a short prefix saves)
+        self.step_fit = step_fit
 
     def _fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
         return _fit(worker, attr, pool, prior, self.step_fit)

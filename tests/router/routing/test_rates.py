@@ -154,12 +154,12 @@ def test_a_worker_load_prices_with_the_step_fit_where_it_has_one() -> None:
                  "prefill_seconds": sum(t for _, t in prefill), "step_moments": _moments(steps)})
     assert load.fit("prefill") == (load.step.overhead, load.step.per_prefill_token)
     assert load.fit("decode") == (load.step.overhead, load.step.per_decode_seq)
-    # the cost model prices with it, unless told to keep to the interval fits
+    # the cost model prices with it where asked to (step_fit), else with the interval fits
     from router.routing.cost_model import CostModel
 
     worker = type("W", (), {"load": load, "worker_id": "w", "role": "colocated"})()
     b, a = load.step.per_prefill_token, load.step.overhead
-    assert CostModel().prefill_s(worker, 1000, [worker]) == pytest.approx(a + 1000 * b)
-    assert CostModel(step_fit=False).prefill_s(worker, 1000, [worker]) == pytest.approx(
+    assert CostModel(step_fit=True).prefill_s(worker, 1000, [worker]) == pytest.approx(a + 1000 * b)
+    assert CostModel().prefill_s(worker, 1000, [worker]) == pytest.approx(
         load.prefill.fixed + 1000 * load.prefill.per_unit)
     assert load.prefill.per_unit > 1.5 * b  # the interval fit puts the mixed steps' overhead on the tails
