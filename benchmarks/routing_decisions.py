@@ -77,7 +77,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
 def by_kind(decisions: list[dict[str, Any]], ttfts: dict[str, float], tail_tokens: int = 64) -> dict[str, Any]:
     """Measured against estimated TTFT by what the request asked of its worker: a ``tail`` (at most
     ``tail_tokens`` uncached) or a ``long`` prompt, ``/queue`` where prompt tokens were queued there
-    already. The rate fits show in the long prompts and the queues; most requests are tails."""
+    already, ``local `` where a decode worker prefilled it (its steps decode its running sequences
+    too). The rate fits show in the long prompts and the queues; most requests are tails."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for d in decisions:
         measured, estimated = ttfts.get(d["id"]), d.get("estimated_ttft_s")
@@ -85,7 +86,8 @@ def by_kind(decisions: list[dict[str, Any]], ttfts: dict[str, float], tail_token
             continue
         first = next(w for w in d["workers"] if w["id"] == d["first"])
         uncached = d["prompt_len"] - d["matched_blocks"] * d.get("block_size", 16)
-        kind = ("tail" if uncached <= tail_tokens else "long") + ("/queue" if first["pending_prefill"] > 0 else "")
+        kind = (("local " if first["role"] == "decode" else "") + ("tail" if uncached <= tail_tokens else "long")
+                + ("/queue" if first["pending_prefill"] > 0 else ""))
         kinds.setdefault(kind, []).append((measured, estimated))
     return {k: {"n": len(v), "measured_p50_s": round(statistics.median(m for m, _ in v), 4),
                 "estimated_p50_s": round(statistics.median(e for _, e in v), 4),

@@ -37,6 +37,7 @@ class WorkerLoad:
     num_free_blocks: int = 0
     num_blocks: int = 0
     reported_pending_prefill: int = 0
+    step_token_budget: int = 0  # tokens one step computes at most (0: not reported)
     prefill: LinearCost = field(default_factory=LinearCost)
     decode: LinearCost = field(default_factory=lambda: LinearCost(fallback="fixed"))
     ship: LinearCost = field(default_factory=lambda: LinearCost(min_units=1024.0))
@@ -58,6 +59,7 @@ class WorkerLoad:
         self.num_free_blocks = int(stats.get("num_free_blocks", 0))
         self.num_blocks = int(stats.get("num_blocks", 0))
         self.reported_pending_prefill = int(stats.get("pending_prefill_tokens", 0))
+        self.step_token_budget = int(stats.get("step_token_budget", 0))
         prefill_s = float(stats.get("prefill_seconds", 0.0))
         self.prefill.observe(stats.get("num_prefill_steps", 0), stats.get("num_prefill_tokens_computed", 0),
                              prefill_s)

@@ -1,7 +1,8 @@
 """Completion-time estimates for a request on a (prefill, decode) pair, from measured rates.
 
 time to first token = queue wait (pending prefill tokens ahead) + the prompt's uncached part, at
-                      the worker's measured prefill cost
+                      the worker's measured prefill cost + on a worker that decodes too, what its
+                      running sequences add to the steps until then (``decoding_s``)
 KV shipment         = per-shipment overhead + blocks the decode worker lacks x bytes per block, at
                       the prefill worker's measured link cost
 decoding            = output tokens x the decode worker's step time with one more sequence running
@@ -92,8 +93,31 @@ class CostModel:
         return f.per_unit * max(worker.load.pending_prefill, 0)
 
     def ttft_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
-        stepping = self.queue_s(worker, pool) + self.prefill_s(worker, request.uncached(matched_blocks), pool)
+        tokens = request.uncached(matched_blocks)
+        stepping = (self.queue_s(worker, pool) + self.prefill_s(worker, tokens, pool)
+                    + self.decoding_s(worker, tokens, pool))
         return stepping * self.share_factor(worker, stepping, pool)
+
+    def decoding_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
+        """What the sequences decoding on ``worker`` add to a prompt's time to first token there.
+
+        Every step until the prompt's last chunk also computes one token of each of them (the
+        queue's and the prompt's tokens over the step's token budget: that many steps), and on a
+        worker stepping only decodes now, a new prompt first waits for the step in flight (half
+        of one, on average). 0 on a prefill worker: what it runs until shipped decodes nowhere.
+        """
+        load = worker.load
+        running = load.running if worker.role != "prefill" else 0
+        if running <= 0:
+            return 0.0
+        df = self._fit(worker, "decode", pool, PRIOR_DECODE)
+        # a one-term decode fit (all its time per step) leaves a sequence's part to the prompt
+        # tokens' rate: the engine splits a mixed step's time by token share
+        per_seq = df.per_unit if df.per_unit > 0 else self._fit(worker, "prefill", pool, PRIOR_PREFILL).per_unit
+        pending = max(load.pending_prefill, 0)
+        steps = math.ceil((pending + tokens) / load.step_token_budget) if load.step_token_budget > 0 else 1
+        in_flight = 0.0 if pending else 0.5 * (df.fixed + df.per_unit * running)
+        return steps * per_seq * running + in_flight
 
     def ship_s(self, prefill: Any, request: RouteRequest, decode_matched: int, pool: list[Any]) -> float:
         blocks = max(request.num_blocks - decode_matched, 0)

@@ -53,6 +53,7 @@ class EngineStats:
     kv_events_seq: int = 0
     num_evicted_blocks: int = 0  # cached blocks evicted for reuse
     step_moments: list[float] = field(default_factory=list)  # EngineCore.step_moments, for routers' fits
+    step_token_budget: int = 0  # max_num_batched_tokens: how many steps a queue of prompts takes
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -160,7 +161,8 @@ class AsyncEngine:
                            len(e.paused), e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
                            e.num_decode_tokens_computed, e.prefill_seconds, e.pending_prefill_tokens,
                            e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq,
-                           num_evicted_blocks=bm.num_evicted_blocks, step_moments=list(e.step_moments))
+                           num_evicted_blocks=bm.num_evicted_blocks, step_moments=list(e.step_moments),
+                           step_token_budget=e.scheduler.config.max_num_batched_tokens)
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""

@@ -11,7 +11,8 @@ request only when its queue costs more than that: no hotspot, and no cold copy o
 queue a step deep.
 
 Conditional disaggregation: a decode worker may also prefill the prompt itself (nothing shipped)
-when the part of the prompt it lacks takes no longer to compute there than shipping it would add:
+when the part of the prompt it lacks takes no longer to compute there (in steps that also decode
+its running sequences) than shipping it would add:
 the shipment, and the wait in the prefill pool's queue (the threshold in tokens follows from the
 same fits; Dynamo's rule is a fixed length and a maximum prefill queue). A prefill worker busy
 with a long prompt then does not hold up the short tails of prefixes a decode worker holds. It is
@@ -89,7 +90,7 @@ class CompletionCost(RoutingPolicy):
                     # a candidate where computing the tail here takes no longer than what shipping
                     # it would add: the shipment, and the wait in the prefill worker's queue
                     saved = min(m.ship_s(p, request, hit_d, pool) + m.queue_s(p, pool) for p in candidates.first)
-                    if m.prefill_s(d, uncached, pool) > saved:
+                    if m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool) > saved:
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)

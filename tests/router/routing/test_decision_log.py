@@ -80,3 +80,18 @@ def test_a_rerouted_request_keeps_its_last_decision(tmp_path: Path) -> None:
     log.close()
     decisions, _ = routing_decisions.load(log_path)
     assert [(d["first"], d["rerouted"], d["options"]) for d in decisions] == [("c1", True, [])]
+
+
+def test_the_reader_tells_a_decode_worker_s_local_prefills_from_the_prefill_pool_s(tmp_path: Path) -> None:
+    log_path = tmp_path / "decisions.jsonl"
+    log = DecisionLog(str(log_path), "front-x")
+    policy = make_policy("cost", seed=0)
+    p, d = _worker("p0", pending=1056), _worker("d0", "decode")
+    request = RouteRequest(1024 + 40, [bytes([i]) * 16 for i in range(64)], BS, 16, 1024)
+    candidates = Candidates([p], [d], {"p0": 64, "d0": 64}, cached_blocks={"p0": 64, "d0": 64})
+    decision = policy.route(request, candidates)
+    assert decision.local  # the tail escapes the prefill queue
+    log.decision("r1", "cost", request, candidates, decision)
+    log.ttft("r1", 0.1)
+    log.close()
+    assert list(routing_decisions.summarize(log_path)["by_kind"]) == ["local tail"]

@@ -466,3 +466,29 @@ def test_a_board_stretches_the_ttft_estimate_by_the_turns_the_prefill_waits_for(
     _on_board(p + d)
     shared = pol.route(_request(), Candidates(p, d, {"p0": 63})).estimated_ttft_s
     assert shared == pytest.approx(1.5 * alone)  # three single-thread steps on two cores
+
+
+def test_a_local_prefill_s_ttft_counts_the_decodes_its_steps_carry_and_the_step_in_flight() -> None:
+    m = CostModel()
+    w = _worker("d0", "decode", running=10, decode=(0.02, 0.002))
+    alone = _worker("d1", "decode", decode=(0.02, 0.002))
+    request = _request(1024 + 40)
+    compute = m.prefill_s(w, 40, [w])
+    assert m.ttft_s(alone, request, 64, [alone]) == pytest.approx(compute)  # nothing decoding there
+    # one step carries the tail and 10 decodes (2 ms each), after half of the 40 ms decode step in flight
+    assert m.decoding_s(w, 40, [w]) == pytest.approx(10 * 0.002 + 0.5 * (0.02 + 10 * 0.002))
+    assert m.ttft_s(w, request, 64, [w]) == pytest.approx(compute + 0.040)
+    # behind a queue of prompts over a 512-token budget: 3 steps carry the decodes, none in flight
+    w.load.reported_pending_prefill, w.load.step_token_budget = 1000, 512
+    assert m.decoding_s(w, 40, [w]) == pytest.approx(3 * 10 * 0.002)
+    # a one-term decode fit: a sequence costs what a prompt token does (mixed steps split by tokens)
+    w.load.decode = _fit(0.03, 0.0)
+    assert m.decoding_s(w, 40, [w]) == pytest.approx(3 * 10 / 2000)
+    # a prefill worker's requests in flight wait for their shipment, not for decodes
+    assert m.decoding_s(_worker("p0", running=10), 40, [w]) == 0.0
+
+
+def test_a_worker_reports_its_step_token_budget() -> None:
+    load = WorkerLoad()
+    load.update({"step_token_budget": 2048})
+    assert load.step_token_budget == 2048

@@ -43,6 +43,8 @@ def test_concurrent_streams_match_offline_generation(async_engine):
     offline = [o.outputs[0].token_ids for o in other.generate(prompts, params)]
     assert streamed == offline
     assert eng.stats().num_free_blocks == NUM_BLOCKS
+    # routers count the steps a queue of prompts takes by the budget
+    assert eng.stats().step_token_budget == llm.engine.config.scheduler.max_num_batched_tokens > 0
 
 
 def test_cancelling_a_stream_aborts_and_frees_blocks(async_engine):
