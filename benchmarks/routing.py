@@ -11,6 +11,10 @@ median of measured/estimated TTFT).
 
     .venv/bin/python benchmarks/routing.py --out benchmarks/results/routing.json
 
+A nominal rate is past capacity on one day's machine and not on another's (these are shared):
+``--load F`` first measures each cell's capacity (its requests all at once under
+``--capacity-policy``) and runs the cell at F times it, so that cells compare across sessions.
+
 Four workers share this machine's cores through the core-sharing board (``openmp_wait = auto``
 picks ``share`` where the workers' threads outnumber the cores), as in every local deployment.
 """
@@ -93,7 +97,8 @@ def policy_config(spec: str) -> dict[str, Any]:
 
 
 def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, seed: int,
-            decision_log: str | None = None) -> dict[str, Any]:
+            decision_log: str | None = None, request_rate: float | None = None,
+            max_concurrency: int | None = None) -> dict[str, Any]:
     from cluster.bench.metrics import SLO
     from cluster.bench.runner import BenchConfig, run_async
     from cluster.bench.workload import LengthDist, WorkloadConfig
@@ -119,7 +124,8 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, s
         while not dep.pool.ready() and time.monotonic() < deadline:
             time.sleep(0.2)
         cfg = BenchConfig(base_url=server.url, tokenizer_source=str(dep.cluster.model_path), workload=wl,
-                          num_prompts=args.num_prompts, request_rate=args.request_rate, seed=seed,
+                          num_prompts=args.num_prompts, seed=seed, max_concurrency=max_concurrency,
+                          request_rate=args.request_rate if request_rate is None else request_rate,
                           slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), num_warmups=0,
                           warmup_prefixes=args.warmup_prefixes,
                           disable_tqdm=True, request_timeout_s=args.request_timeout)
@@ -229,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--hot-fraction", type=float, default=0.7)
     ap.add_argument("--request-rate", type=float, default=1.0, help="req/s, Poisson (inf: all at once)")
+    ap.add_argument("--load", type=float, default=None, metavar="F",
+                    help="instead of --request-rate: F x the capacity measured first in each layout and "
+                    "workload (a --capacity-policy run of the same requests, all at once, "
+                    "--capacity-concurrency in flight), so cells compare across machines and days")
+    ap.add_argument("--capacity-policy", default="prefix")
+    ap.add_argument("--capacity-concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", default=None, help="several seeds, comma-separated (instead of --seed)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -252,16 +264,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    results = []
+    results, capacities = [], {}
+    rates: dict[tuple[str, str], float] = {}
     for layout, workload, seed, repeat, policy in _schedule(args.layouts.split(","), args.workloads.split(","),
                                                             seeds, args.repeats, _policy_specs(args.policies)):
-        print(f"routing: {layout} / {workload} / seed {seed} run {repeat} / {policy}", file=sys.stderr, flush=True)
-        row = {"layout": layout, "workload": workload, "policy": policy, "seed": seed, "repeat": repeat}
+        if args.load is not None and (layout, workload) not in rates:
+            capacity = measure_capacity(args, layout, workload, seeds[0])
+            capacities[f"{layout} / {workload}"] = capacity
+            rates[(layout, workload)] = load_rate(args.load, capacity)
+        rate = rates.get((layout, workload), args.request_rate)
+        print(f"routing: {layout} / {workload} / seed {seed} run {repeat} / {policy} at {rate:.2f} req/s",
+              file=sys.stderr, flush=True)
+        row = {"layout": layout, "workload": workload, "policy": policy, "seed": seed, "repeat": repeat,
+               "request_rate": rate}
         log = _decision_log_path(args.decision_log, row)
         if log:
             row["decision_log"] = log
         try:
-            row.update(run_one(args, layout, policy, workload, seed, log))
+            row.update(run_one(args, layout, policy, workload, seed, log, request_rate=rate))
         except Exception as exc:  # one failed run must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -269,13 +289,37 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     doc = {"date": date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
            "cpu_model": _cpu_model(), "cores": os.cpu_count(), "command": " ".join([sys.executable, *sys.argv]),
-           "args": vars(args), "results": results, "summary": summary}
+           "args": vars(args), "capacities": capacities, "results": results, "summary": summary}
     text = markdown(results, summary, args)
+    for cell, c in capacities.items():
+        text += (f"\n- {cell}: capacity {c['request_throughput']:.2f} req/s under {c['policy']} "
+                 f"({c['concurrency']} in flight), runs at --load {args.load:g} = {args.load * c['request_throughput']:.2f} req/s")
     print(text)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
         Path(args.out).with_suffix(".md").write_text(text + "\n")
     return 0
+
+
+def measure_capacity(args: argparse.Namespace, layout: str, workload: str, seed: int) -> dict[str, Any]:
+    """The cell's requests all at once, ``--capacity-concurrency`` in flight, under
+    ``--capacity-policy``: the request throughput this machine sustains today."""
+    print(f"routing: {layout} / {workload} / capacity under {args.capacity_policy}", file=sys.stderr, flush=True)
+    run = run_one(args, layout, args.capacity_policy, workload, seed, None, request_rate=math.inf,
+                  max_concurrency=args.capacity_concurrency)
+    out = {"policy": args.capacity_policy, "concurrency": args.capacity_concurrency,
+           **{k: run.get(k) for k in ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                                      "p99_ttft_ms")}}
+    print(json.dumps({"capacity": out}), file=sys.stderr, flush=True)
+    return out
+
+
+def load_rate(load: float, capacity: dict[str, Any]) -> float:
+    """Requests a second at ``load`` times the measured capacity; ValueError where none was measured."""
+    throughput = capacity.get("request_throughput")
+    if not throughput or capacity.get("failed"):
+        raise ValueError(f"no capacity measured to set the load from: {capacity}")
+    return load * throughput
 
 
 def _schedule(layouts: list[str], workloads: list[str], seeds: list[int], repeats: int,

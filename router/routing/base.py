@@ -47,6 +47,9 @@ class WorkerLoad:
     core_board: str = ""
     board_cores: int = 0
     step_threads: int = 1
+    # The device, threads, dtype and model a worker steps with: workers reporting the same one fit
+    # their steps together (``CostModel``), so identical workers do not differ by fit noise.
+    hardware: str = ""
     # Share of the recent time it stepped or waited for its turn at the cores: how often it wants
     # them, idle or busy this instant (an average over stats intervals, the newest weighing half).
     demand: float = 0.0
@@ -70,6 +73,7 @@ class WorkerLoad:
         share = extra.get("core_share") or {}
         self.core_board, self.board_cores = str(share.get("board", "")), int(share.get("cores", 0))
         self.step_threads = max(int(share.get("threads", 1)), 1)
+        self.hardware = str(extra.get("hardware", ""))
         self._observe_demand(float(stats.get("busy_seconds", 0.0)) + float(extra.get("core_wait_seconds", 0.0)),
                              time.monotonic() if now is None else now)
         transfer = extra.get("kv_transfer") or {}
@@ -83,11 +87,12 @@ class WorkerLoad:
         share = min((wanted_s - last[0]) / (now - last[1]), 1.0)
         self.demand = 0.5 * self.demand + 0.5 * share
 
-    def fit(self, kind: str, steps: bool = True) -> tuple[float, float] | None:
+    def fit(self, kind: str, steps: bool = True, step: StepFit | None = None) -> tuple[float, float] | None:
         """(seconds a step, seconds per unit) of ``kind`` (``prefill``: per prompt token, ``decode``:
         per running sequence, ``ship``: per byte), or None before this worker measured it. The
-        step fit where the steps tell that term apart (and ``steps``), else the interval fit."""
-        step = self.step
+        step fit (``step``, else this worker's own) where the steps tell that term apart (and
+        ``steps``), else the interval fit."""
+        step = step or self.step
         if steps and kind == "prefill" and step.prefill_fitted:
             return step.overhead, step.per_prefill_token
         if steps and kind == "decode" and step.decode_fitted:

@@ -37,11 +37,12 @@ own (a GPU, reserved cores) both are neutral.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from router.routing.base import RouteRequest
+from router.routing.rates import StepFit
 
 # Priors until a worker reports (SmolLM2-135M fp32 on 2 Zen 3 cores, order of magnitude).
 PRIOR_PREFILL = (0.005, 1 / 2000)  # seconds per step, per prompt token
@@ -56,11 +57,12 @@ class _Fit:
     per_unit: float
 
 
-def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float], steps: bool = True) -> _Fit:
-    own = worker.load.fit(attr, steps)
+def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float], steps: bool = True,
+         step_of: Callable[[Any], StepFit | None] = lambda w: None) -> _Fit:
+    own = worker.load.fit(attr, steps, step_of(worker))
     if own is not None:
         return _Fit(*own)
-    fitted = [f for f in (w.load.fit(attr, steps) for w in pool) if f is not None]
+    fitted = [f for f in (w.load.fit(attr, steps, step_of(w)) for w in pool) if f is not None]
     if fitted:
         return _Fit(sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))
     return _Fit(*prior)
@@ -70,17 +72,40 @@ class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
-                 share_weight: float = 1.0, step_fit: bool = False) -> None:
+                 share_weight: float = 1.0, step_fit: bool = False, pool_steps: bool = True) -> None:
         self.stall_weight = stall_weight
         self.work_weight = work_weight
         self.evict_weight = evict_weight
         self.share_weight = share_weight
-        # True: price steps from the fit to the steps themselves where it has a term (opt-in: on tiny
-        # models its per-worker overheads differ by noise more than a short prefix saves)
+        # True: price steps from the fit to the steps themselves where it has a term
         self.step_fit = step_fit
+        # True: workers on the same hardware fit their steps together (one fit of all their steps):
+        # alone, identical idle workers of a tiny model fitted 2-3x apart by noise
+        self.pool_steps = pool_steps
+        self._pooled: dict[str, tuple[tuple[Any, ...], StepFit]] = {}
 
     def _fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
-        return _fit(worker, attr, pool, prior, self.step_fit)
+        if not self.step_fit or not self.pool_steps:
+            return _fit(worker, attr, pool, prior, self.step_fit)
+        pool = list(pool)
+        return _fit(worker, attr, pool, prior, True, lambda w: self.pooled_step(w, pool))
+
+    def pooled_step(self, worker: Any, pool: Iterable[Any]) -> StepFit:
+        """The step fit to the steps of every worker in ``pool`` on ``worker``'s hardware (the same
+        device, threads, dtype and model): its own where it names none or has no such mates."""
+        hardware = worker.load.hardware
+        mates = sorted((w for w in pool if w.load.hardware == hardware), key=lambda w: w.worker_id) if hardware else []
+        if not any(w is worker for w in mates):
+            mates.append(worker)
+        if len(mates) == 1:
+            return worker.load.step
+        key = tuple((w.worker_id, id(w.load.step), w.load.step.version) for w in mates)
+        cached = self._pooled.get(hardware)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        fit = StepFit.of_sums([sum(col) for col in zip(*(w.load.step.sums for w in mates))])
+        self._pooled[hardware] = (key, fit)
+        return fit
 
     def prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
         f = self._fit(worker, "prefill", pool, PRIOR_PREFILL)

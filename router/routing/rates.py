@@ -102,8 +102,21 @@ class StepFit:
     per_decode_seq: float = 0.0
     prefill_fitted: bool = False
     decode_fitted: bool = False
+    version: int = 0  # counts the changes of ``sums``: a pooled fit of them is cached until it moves
     _last: tuple[float, ...] | None = None
     _sums: tuple[float, ...] = (0.0,) * MOMENTS
+
+    @classmethod
+    def of_sums(cls, sums: list[float] | tuple[float, ...]) -> StepFit:
+        """The fit to the steps these (decayed) moment sums describe: several workers' summed."""
+        fit = cls(_sums=tuple(float(s) for s in sums))
+        fit._solve()
+        return fit
+
+    @property
+    def sums(self) -> tuple[float, ...]:
+        """The decayed moment sums the fit solves (n, P, D, PP, PD, DD, t, tP, tD)."""
+        return self._sums
 
     def observe(self, moments: list[float] | tuple[float, ...] | None) -> None:
         """Take the engine's cumulative moments; a step count that went down (a restarted worker)
@@ -116,10 +129,12 @@ class StepFit:
         inc = [m - prev for m, prev in zip(self._last, last)]
         if inc[0] < 0:
             self._sums = (0.0,) * MOMENTS  # restarted: the old steps were another process's
+            self.version += 1
             return
         if inc[0] == 0:
             return
         self._sums = tuple(self.decay * s + i for s, i in zip(self._sums, inc))
+        self.version += 1
         self._solve()
 
     def _solve(self) -> None:

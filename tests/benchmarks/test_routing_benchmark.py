@@ -80,3 +80,31 @@ def test_each_run_gets_its_own_decision_log_path_the_config_accepts(tmp_path) ->
     assert (tmp_path / "logs").is_dir() and _decision_log_path(None, row) is None
     router = ClusterConfig.model_validate({"router": {**policy_config("cost"), "decision_log": path}}).router
     assert router.decision_log == path
+
+
+def test_a_load_runs_each_cell_at_a_fraction_of_the_capacity_measured_first(monkeypatch, tmp_path) -> None:
+    import math
+
+    from benchmarks import routing
+
+    calls = []
+
+    def fake_run(args, layout, policy, workload, seed, log=None, request_rate=None, max_concurrency=None):
+        calls.append((layout, policy, request_rate, max_concurrency))
+        tput = 2.0 if layout == "2P+2D" else 3.0  # req/s the cell sustains all at once
+        return {"completed": 8, "failed": 0, "duration": 1.0, "request_throughput": tput, "output_throughput": 10.0,
+                "p99_ttft_ms": 100.0, "median_ttft_ms": 50.0, "median_tpot_ms": 5.0, "prefix_hit_rate": 0.5,
+                "request_goodput": 1.0, "decisions": {}}
+
+    monkeypatch.setattr(routing, "run_one", fake_run)
+    out = tmp_path / "r.json"
+    assert routing.main(["--layouts", "2P+2D,4 colocated", "--workloads", "skewed", "--policies", "prefix;cost",
+                         "--seeds", "0,1", "--load", "0.5", "--out", str(out)]) == 0
+    # one capacity run per cell, all at once under the baseline, then every run at half of it
+    assert calls[0] == ("2P+2D", "prefix", math.inf, 16) and calls[5] == ("4 colocated", "prefix", math.inf, 16)
+    assert [c[2] for c in calls[1:5]] == [1.0] * 4 and [c[2] for c in calls[6:]] == [1.5] * 4
+    doc = __import__("json").loads(out.read_text())
+    assert doc["capacities"]["2P+2D / skewed"]["request_throughput"] == 2.0
+    assert {r["request_rate"] for r in doc["results"]} == {1.0, 1.5}
+    with pytest.raises(ValueError, match="no capacity"):
+        routing.load_rate(0.5, {"request_throughput": 2.0, "failed": 3})

@@ -114,6 +114,9 @@ def test_disaggregated_greedy_equals_offline_engine(disagg, tiny_model_dir):
     stats = _worker_stats(disagg)
     assert all(s["num_free_blocks"] == NUM_BLOCKS for s in stats.values())
     assert all(s["tracked_requests"] == 0 for s in stats.values())  # no per-request state left behind
+    # alike workers say so: routers fit their steps together
+    assert stats["prefill-0"]["extra"]["hardware"] == stats["decode-0"]["extra"]["hardware"]
+    assert stats["decode-0"]["extra"]["hardware"].startswith("cpu:")
     # both sides count the KV moved, whichever side moved it
     assert stats["decode-0"]["extra"]["kv_transfer"]["bytes"] == stats["prefill-0"]["extra"]["kv_transfer"]["bytes"] > 0
     if disagg.config.kv_transfer.transport == "collective":

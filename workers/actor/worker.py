@@ -104,6 +104,7 @@ class Worker:
         self.engine = AsyncEngine(build, on_step=self._on_step, core_share=share)
         self.core = core = self.engine.engine
         self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
+        self.hardware = _hardware(core.runner.device, threads, core.config.dtype, self.model_path.name)
         self.peers: dict[str, Any] = {}
         # Every connector, by name: the decode side answers whichever a sender uses; the prefill
         # side ships with the first of ``order`` that reaches the peer.
@@ -258,7 +259,8 @@ class Worker:
         recent, self.transfer_log = self.transfer_log, []
         out = dict(s.__dict__)
         share = self.engine.core_share
-        out["extra"] = {"kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent,
+        out["extra"] = {"hardware": self.hardware,  # routers fit the steps of workers alike together
+                        "kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent,
                                         "shipments": self.shipments, "ship_seconds": self.ship_seconds},
                         "core_wait_seconds": share.wait_seconds if share is not None else 0.0,
                         # routers price the turns workers on one board take at its cores
@@ -509,3 +511,13 @@ def _actor_id(handle: Any) -> Any:
     """The Ray actor a handle names (handles to one actor compare unequal otherwise)."""
     actor_id = getattr(handle, "_actor_id", None)
     return actor_id if actor_id is not None else id(handle)
+
+
+def _hardware(device: torch.device, threads: int, dtype: str, model: str) -> str:
+    """What a step's time depends on besides its tokens: the device (a GPU's name, else the CPU's
+    model and threads), the dtype and the model."""
+    if device.type == "cuda":
+        where = f"cuda:{torch.cuda.get_device_name(device)}"
+    else:
+        where = f"{device.type}:{capabilities.cpu().model_name or capabilities.cpu().arch}:{threads} threads"
+    return f"{where}|{dtype}|{model}"

@@ -492,3 +492,48 @@ def test_a_worker_reports_its_step_token_budget() -> None:
     load = WorkerLoad()
     load.update({"step_token_budget": 2048})
     assert load.step_token_budget == 2048
+
+
+def _step_moments(seed: int, overhead: float, n: int = 40) -> list[float]:
+    """An engine's moments over ``n`` steps of prompts 0-1024 tokens long and 0-8 decodes: 0.5 ms a
+    prompt token, 2 ms a decode and ``overhead`` a step."""
+    import random
+
+    from router.routing.rates import MOMENTS
+    rng = random.Random(seed)
+    m = [0.0] * MOMENTS
+    for _ in range(n):
+        p, d = rng.choice((0, 32, 1024)), rng.randint(0, 8)
+        t = overhead + 0.0005 * p + 0.002 * d
+        for i, v in enumerate((1, p, d, p * p, p * d, d * d, t, t * p, t * d)):
+            m[i] += v
+    return m
+
+
+def _stepped(wid: str, hardware: str, seed: int, overhead: float) -> Fake:
+    w = _worker(wid, "colocated")
+    w.load.hardware = hardware
+    w.load.step.observe([0.0] * len(_step_moments(seed, overhead, 0)))
+    w.load.step.observe(_step_moments(seed, overhead))
+    return w
+
+
+def test_workers_on_the_same_hardware_fit_their_steps_together() -> None:
+    m = CostModel(step_fit=True)
+    cpu = "cpu:X:2 threads|bf16|m"
+    # identical workers whose overheads came out 2x apart by chance: one fit of all their steps
+    a, b = _stepped("c0", cpu, 0, 0.004), _stepped("c1", cpu, 1, 0.008)
+    pool = [a, b]
+    assert m.prefill_s(a, 100, pool) == pytest.approx(m.prefill_s(b, 100, pool))
+    assert 0.004 < m.prefill_s(a, 0, pool) < 0.008
+    alone = CostModel(step_fit=True, pool_steps=False)
+    assert alone.prefill_s(a, 0, pool) == pytest.approx(0.004) and alone.prefill_s(b, 0, pool) == pytest.approx(0.008)
+    # new steps move the pooled fit (it is cached only while no worker's steps changed)
+    before = m.prefill_s(a, 0, pool)
+    b.load.step.observe([x + y for x, y in zip(_step_moments(1, 0.008), _step_moments(2, 0.02))])
+    assert m.prefill_s(a, 0, pool) > before
+    # a worker on other hardware, or naming none, keeps its own fit
+    b.load.hardware = "cuda:H200|bf16|m"
+    assert m.prefill_s(a, 0, pool) == pytest.approx(0.004)
+    a.load.hardware = ""
+    assert m.prefill_s(a, 0, pool) == pytest.approx(0.004)

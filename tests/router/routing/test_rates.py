@@ -163,3 +163,17 @@ def test_a_worker_load_prices_with_the_step_fit_where_it_has_one() -> None:
     assert CostModel().prefill_s(worker, 1000, [worker]) == pytest.approx(
         load.prefill.fixed + 1000 * load.prefill.per_unit)
     assert load.prefill.per_unit > 1.5 * b  # the interval fit puts the mixed steps' overhead on the tails
+
+
+def test_a_fit_of_summed_moments_is_the_fit_of_all_their_steps() -> None:
+    a, b, both = StepFit(), StepFit(), StepFit()
+    _feed_steps(a, _holder_intervals(3, 6))
+    _feed_steps(b, _holder_intervals(4, 6))
+    _feed_steps(both, [x + y for x, y in zip(_holder_intervals(3, 6), _holder_intervals(4, 6))])
+    pooled = StepFit.of_sums([x + y for x, y in zip(a.sums, b.sums)])
+    assert (pooled.overhead, pooled.per_prefill_token, pooled.per_decode_seq) == (
+        pytest.approx(both.overhead), pytest.approx(both.per_prefill_token), pytest.approx(both.per_decode_seq))
+    assert pooled.prefill_fitted == both.prefill_fitted and pooled.decode_fitted == both.decode_fitted
+    versions = a.version
+    _feed_steps(a, _holder_intervals(5, 1))
+    assert a.version > versions  # new steps: a pooled fit of the old sums is out of date
