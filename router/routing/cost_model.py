@@ -26,7 +26,8 @@ Workers that take turns at one board's cores (``workers.actor.core_share``: seve
 machine with fewer cores than their threads) are not independent hardware: a step waits while the
 board's other busy workers hold the cores. Their estimates stretch by the threads stepping on the
 board over its cores (``share_factor``), and the core time a request adds there (``stepping_s``:
-the per-token part on a worker that steps anyway, whole steps on an idle one) is taken from the
+the per-token part, a prompt's step whole on an idle worker, a decode step's overhead shared by
+the batch it joins) is taken from the
 mates' requests wherever the board's workers want more cores than it has (``board_s``), both
 times ``share_weight`` (0 turns both off). Work is work on a full board: a cold copy of a prefix
 costs every request stepping there, whichever worker computes it, and a decode batch one worker
@@ -222,14 +223,21 @@ class CostModel:
         return max(1.0, threads / worker.load.board_cores)
 
     def stepping_s(self, worker: Any, prefill_tokens: int, decode_tokens: int, pool: list[Any]) -> float:
-        """Core time ``worker`` spends on a request's tokens: on a worker that steps anyway only their
-        per-token and per-sequence parts (they ride in its steps), on an idle one its steps whole."""
+        """Core time ``worker`` spends on a request's tokens: their per-token and per-sequence parts,
+        a prompt's step whole on an idle worker, and each decode step's overhead shared with the
+        sequences decoding there (all of it on a worker decoding nothing).
+
+        A decode step's overhead (the weights read once whatever the batch) is paid as long as the
+        worker decodes anything: a request added to a small batch keeps a worker stepping that
+        would soon go idle, one added to a large batch shares steps that happen anyway. Priced at
+        the margin alone (nothing on a worker that steps), two decode workers on one board stay
+        busy side by side with half batches, each paying the overhead, where one could do both."""
         pf, df = self._fit(worker, "prefill", pool, PRIOR_PREFILL), self._fit(worker, "decode", pool, PRIOR_DECODE)
         prefill = pf.per_unit * prefill_tokens
-        decode = df.per_unit * decode_tokens
-        if not _stepping(worker):
-            prefill += pf.fixed if prefill_tokens else 0.0
-            decode += df.fixed * decode_tokens
+        if prefill_tokens and not _stepping(worker):
+            prefill += pf.fixed
+        sharing = (worker.load.running if worker.role != "prefill" else 0) + 1
+        decode = (df.per_unit + df.fixed / sharing) * decode_tokens
         return prefill + decode
 
     def board_s(self, worker: Any, seconds: float, pool: list[Any]) -> float:

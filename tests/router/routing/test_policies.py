@@ -374,11 +374,14 @@ def test_the_share_factor_counts_the_threads_stepping_on_the_board_over_its_core
     assert m.share_factor(d[1], 0.4, p + d[:1] + _on_board([d[1]])) == 1.0  # nobody else on its board
 
 
-def test_a_request_s_core_time_is_its_tokens_on_a_stepping_worker_and_whole_steps_on_an_idle_one() -> None:
+def test_a_request_s_core_time_is_its_tokens_and_its_share_of_the_steps_it_joins() -> None:
     m = CostModel()
     busy, idle = _worker("c0", "colocated", running=4), _worker("c1", "colocated")
-    assert m.stepping_s(busy, 1024, 16, [busy, idle]) == pytest.approx(1024 / 2000 + 16 * 0.002)
+    # the prompt rides in steps that happen anyway; each decode step's 20 ms is shared by 5 sequences
+    assert m.stepping_s(busy, 1024, 16, [busy, idle]) == pytest.approx(1024 / 2000 + 16 * (0.002 + 0.02 / 5))
     assert m.stepping_s(idle, 1024, 16, [busy, idle]) == pytest.approx(0.005 + 1024 / 2000 + 16 * (0.02 + 0.002))
+    big = _worker("c2", "colocated", running=39)  # a large batch: its steps cost the newcomer little
+    assert m.stepping_s(big, 0, 16, [big]) == pytest.approx(16 * (0.002 + 0.02 / 40))
     parked = _worker("p0", outstanding=3)  # a prefill worker's requests wait for their shipment
     assert m.stepping_s(parked, 100, 0, [parked]) == pytest.approx(0.005 + 100 / 2000)
 
