@@ -61,8 +61,10 @@ def _worker_view(worker: Any, candidates: Candidates) -> dict[str, Any]:
             "cached": candidates.cached(worker), "stale": worker.worker_id in candidates.stale,
             "pending_prefill": load.pending_prefill, "running": load.running,
             "free_blocks": load.num_free_blocks, "demand": round(load.demand, 4),
-            # what the cost model read ([s a step, s a unit], None: unmeasured), and where from
+            # the worker's own fits ([s a step, s a unit], None: unmeasured): the step fit's term where
+            # it has one, else the interval fit; ``cost`` pools step fits over workers of one hardware
             "prefill_fit": load.fit("prefill"), "decode_fit": load.fit("decode"), "ship_fit": load.fit("ship"),
+            "hardware": load.hardware,
             "step_fit": [load.step.overhead, load.step.per_prefill_token, load.step.per_decode_seq,
                          load.step.prefill_fitted, load.step.decode_fitted],
             "interval_fits": {k: [c.fixed, c.per_unit, c.fitted] for k, c in
