@@ -36,7 +36,7 @@ from typing import Any
 from router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
 from router.routing.cost_model import CostModel
 
-_Option = tuple[float, float, Any, Any | None]  # (cost, ttft, first, decode)
+_Option = tuple[float, float, Any, Any | None, float]  # (cost, ttft, first, decode, room penalty in cost)
 
 
 @register_policy
@@ -63,11 +63,12 @@ class CompletionCost(RoutingPolicy):
                 hit = candidates.matched(w)
                 ttft = m.ttft_s(w, request, hit, pool)
                 decoding = m.decode_s(w, out, pool)
+                penalty = m.room_penalty_s(w, request, hit)
                 cost = (ttft + decoding + m.stall_s(w, request, hit, pool)
                         + m.board_s(w, m.stepping_s(w, request.uncached(hit), out, pool), pool)
-                        + m.work_s(w, request, hit, pool) + m.room_penalty_s(w, request, hit)
+                        + m.work_s(w, request, hit, pool) + penalty
                         + m.evict_s(w, request, hit, candidates.cached(w), pool))
-                options.append((cost, ttft, w, None))
+                options.append((cost, ttft, w, None, penalty))
         else:
             decode_s = {d.worker_id: m.decode_s(d, out, pool) for d in candidates.decode}
             board_s = {d.worker_id: m.board_s(d, m.stepping_s(d, 0, out, pool), pool) for d in candidates.decode}
@@ -80,9 +81,10 @@ class CompletionCost(RoutingPolicy):
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), hit_p, candidates.cached(p), pool))
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
+                    penalty = m.room_penalty_s(d, request, hit_d)
                     cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
-                            + board_s[d.worker_id] + m.room_penalty_s(d, request, hit_d))
-                    options.append((cost, ttft, p, d))
+                            + board_s[d.worker_id] + penalty)
+                    options.append((cost, ttft, p, d, penalty))
             if self.conditional_disaggregation:
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
@@ -93,17 +95,18 @@ class CompletionCost(RoutingPolicy):
                     if m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool) > saved:
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
+                    penalty = m.room_penalty_s(d, request, hit_d)
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
                             + m.board_s(d, m.stepping_s(d, uncached, out, pool), pool)
-                            + m.work_s(d, request, hit_d, pool) + m.room_penalty_s(d, request, hit_d)
+                            + m.work_s(d, request, hit_d, pool) + penalty
                             + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
-                    options.append((cost, ttft, d, None))
+                    options.append((cost, ttft, d, None, penalty))
         tied = self._within(options, self.tie_tolerance)
         roomy = self._roomiest(request, candidates, options, tied)
-        _, ttft, first, decode = self._rng.choice(roomy or tied)
+        _, ttft, first, decode, _ = self._rng.choice(roomy or tied)
         reason = "cache_room" if roomy else self._reason(first, decode, candidates)
         considered = [(f.worker_id, d.worker_id if d is not None else None, cost, est)
-                      for cost, est, f, d in options]
+                      for cost, est, f, d, _ in options]
         return Decision(first, decode, reason, candidates.matched(first), ttft, considered)
 
     def _roomiest(self, request: RouteRequest, candidates: Candidates, options: list[_Option],
@@ -125,8 +128,12 @@ class CompletionCost(RoutingPolicy):
 
     @staticmethod
     def _within(options: list[_Option], tolerance: float) -> list[_Option]:
-        low = min(o[0] for o in options)
-        return [o for o in options if o[0] <= low * (1 + tolerance) + 1e-6]
+        """The options within ``tolerance`` of the cheapest, relative to its cost without a room
+        penalty: where every decode worker is full the penalty is in every price, and 1% of it
+        would tie options seconds apart."""
+        best = min(options, key=lambda o: o[0])
+        margin = tolerance * (best[0] - best[4])
+        return [o for o in options if o[0] <= best[0] + margin + 1e-6]
 
     @staticmethod
     def _reason(first: Any, decode: Any | None, candidates: Candidates) -> str:

@@ -231,6 +231,18 @@ def test_cost_keeps_off_a_decode_worker_without_room() -> None:
     assert x.decode.worker_id == "d1"
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_where_every_decode_worker_is_full_ties_are_judged_without_the_room_penalty(seed: int) -> None:
+    # the penalty is in every price: 1% of it (0.6 s) must not tie the holder of the prefix with a
+    # worker that would compute the whole prompt
+    pol = make_policy("cost", seed=seed)
+    fast = (0.005, 1 / 10000)  # the whole prompt costs ~0.2 s more than its tail, twice
+    p = [_worker("p0", prefill=fast), _worker("p1", prefill=fast)]
+    d = [_worker("d0", "decode", free_blocks=2, running=30, prefill=fast)]
+    picks = {pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id for _ in range(20)}
+    assert picks == {"p0"}
+
+
 def test_conditional_disaggregation_prefills_a_short_uncached_tail_on_the_decode_worker() -> None:
     pol = make_policy("cost", seed=0)
     across_nodes = (0.03, 1 / 0.4e9)  # the veth link between two nodes, measured: 30 ms a shipment
