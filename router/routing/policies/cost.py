@@ -3,8 +3,8 @@
 For every pair: the prefill worker's time to first token (its queue plus the prompt's part it
 does not hold) + the KV shipment (the blocks the decode worker does not hold) + the output at the
 decode worker's step time with one more sequence + the uncached prefill once more, for the
-requests that will queue behind it (``work_weight``) + the cached blocks it would evict there,
-at their prefill cost (``evict_weight``) + on workers that take turns at shared cores, the core
+requests that will queue behind it (``work_weight``) + the cached blocks it would evict on
+either worker, at their prefill cost (``evict_weight``) + on workers that take turns at shared cores, the core
 time it adds there, taken from the requests of the busy ones (``share_weight``). A prefix
 match is worth the prefill it saves (twice, with the default weight), so a holder loses the
 request only when its queue costs more than that: no hotspot, and no cold copy of a prefix for a
@@ -72,6 +72,10 @@ class CompletionCost(RoutingPolicy):
         else:
             decode_s = {d.worker_id: m.decode_s(d, out, pool) for d in candidates.decode}
             board_s = {d.worker_id: m.board_s(d, m.stepping_s(d, 0, out, pool), pool) for d in candidates.decode}
+            # the prompt's blocks a decode worker lacks take room there: on a full cache they evict
+            # prefixes it holds, which later requests then ship whole again or wait for room
+            evict_d = {d.worker_id: m.evict_s(d, request, candidates.matched(d), candidates.cached(d), pool)
+                       for d in candidates.decode}
             for p in candidates.first:
                 hit_p = candidates.matched(p)
                 ttft = m.ttft_s(p, request, hit_p, pool)
@@ -83,7 +87,7 @@ class CompletionCost(RoutingPolicy):
                     hit_d = candidates.matched(d)
                     penalty = m.room_penalty_s(d, request, hit_d)
                     cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
-                            + board_s[d.worker_id] + penalty)
+                            + board_s[d.worker_id] + evict_d[d.worker_id] + penalty)
                     options.append((cost, ttft, p, d, penalty))
             if self.conditional_disaggregation:
                 for d in candidates.decode:

@@ -231,6 +231,19 @@ def test_cost_keeps_off_a_decode_worker_without_room() -> None:
     assert x.decode.worker_id == "d1"
 
 
+def test_a_decode_worker_that_lacks_the_prefix_pays_for_the_cached_prefixes_it_would_evict() -> None:
+    pol = make_policy("cost", seed=0, conditional_disaggregation=False)
+    p = [_worker("p0")]
+    # d0 holds the prompt's prefix and decodes 8 sequences; d1 decodes none, but its cache is full
+    # of other prefixes: the prompt's 65 blocks would push 65 of theirs out
+    d = [_worker("d0", "decode", running=8, free_blocks=100), _worker("d1", "decode", free_blocks=100)]
+    held = Candidates(p, d, {"p0": 63, "d0": 63}, cached_blocks={"p0": 63, "d0": 100, "d1": 100})
+    assert pol.route(_request(), held).decode.worker_id == "d0"
+    # with room to spare on d1, its smaller batch wins
+    roomy = Candidates(p, d, {"p0": 63, "d0": 63}, cached_blocks={"p0": 63, "d0": 100, "d1": 0})
+    assert pol.route(_request(), roomy).decode.worker_id == "d1"
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_where_every_decode_worker_is_full_ties_are_judged_without_the_room_penalty(seed: int) -> None:
     # the penalty is in every price: 1% of it (0.6 s) must not tie the holder of the prefix with a
