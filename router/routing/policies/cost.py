@@ -76,6 +76,7 @@ class CompletionCost(RoutingPolicy):
             # prefixes it holds, which later requests then ship whole again or wait for room
             evict_d = {d.worker_id: m.evict_s(d, request, candidates.matched(d), candidates.cached(d), pool)
                        for d in candidates.decode}
+            penalty_d = {d.worker_id: m.room_penalty_s(d, request, candidates.matched(d)) for d in candidates.decode}
             for p in candidates.first:
                 hit_p = candidates.matched(p)
                 ttft = m.ttft_s(p, request, hit_p, pool)
@@ -84,9 +85,8 @@ class CompletionCost(RoutingPolicy):
                         + m.board_s(p, m.stepping_s(p, request.uncached(hit_p), 0, pool), pool)
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), hit_p, candidates.cached(p), pool))
                 for d in candidates.decode:
-                    hit_d = candidates.matched(d)
-                    penalty = m.room_penalty_s(d, request, hit_d)
-                    cost = (ttft + work + m.ship_s(p, request, hit_d, pool) + decode_s[d.worker_id]
+                    penalty = penalty_d[d.worker_id]
+                    cost = (ttft + work + m.ship_s(p, request, candidates.matched(d), pool) + decode_s[d.worker_id]
                             + board_s[d.worker_id] + evict_d[d.worker_id] + penalty)
                     options.append((cost, ttft, p, d, penalty))
             if self.conditional_disaggregation:
@@ -99,11 +99,10 @@ class CompletionCost(RoutingPolicy):
                     if m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool) > saved:
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
-                    penalty = m.room_penalty_s(d, request, hit_d)
+                    penalty = penalty_d[d.worker_id]
                     cost = (ttft + decode_s[d.worker_id] + m.stall_s(d, request, hit_d, pool)
                             + m.board_s(d, m.stepping_s(d, uncached, out, pool), pool)
-                            + m.work_s(d, request, hit_d, pool) + penalty
-                            + m.evict_s(d, request, hit_d, candidates.cached(d), pool))
+                            + m.work_s(d, request, hit_d, pool) + penalty + evict_d[d.worker_id])
                     options.append((cost, ttft, d, None, penalty))
         tied = self._within(options, self.tie_tolerance)
         roomy = self._roomiest(request, candidates, options, tied)
