@@ -12,11 +12,13 @@ queue a step deep.
 
 Conditional disaggregation: a decode worker may also prefill the prompt itself (nothing shipped)
 when the part of the prompt it lacks takes no longer to compute there (in steps that also decode
-its running sequences) than shipping it would add:
-the shipment, and the wait in the prefill pool's queue (the threshold in tokens follows from the
-same fits; Dynamo's rule is a fixed length and a maximum prefill queue). A prefill worker busy
-with a long prompt then does not hold up the short tails of prefixes a decode worker holds. It is
-one more candidate, paying for the stall its running sequences suffer while it prefills.
+its running sequences) than the prefill pool would add to it: the shipment, the wait in the
+prefill worker's queue, and the part of the prompt that worker lacks beyond that tail (the
+threshold in tokens follows from the same fits; Dynamo's rule is a fixed length and a maximum
+prefill queue). A prefill worker busy with a long prompt then does not hold up the short tails of
+prefixes a decode worker holds, and a prefix that only decode workers still hold is not computed
+again in the prefill pool. It is one more candidate, paying for the stall its running sequences
+suffer while it prefills.
 Candidates within ``tie_tolerance`` of the best are tied, and a tie is broken at random.
 
 Placing a new prefix (no worker holds any of the prompt) where the best candidates' caches would
@@ -93,10 +95,14 @@ class CompletionCost(RoutingPolicy):
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     uncached = request.uncached(hit_d)
-                    # a candidate where computing the tail here takes no longer than what shipping
-                    # it would add: the shipment, and the wait in the prefill worker's queue
-                    saved = min(m.ship_s(p, request, hit_d, pool) + m.queue_s(p, pool) for p in candidates.first)
-                    if m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool) > saved:
+                    # a candidate where computing the tail here takes no longer than what the
+                    # prefill pool adds to it: the shipment, the wait in a prefill worker's queue,
+                    # and the part of the prompt it lacks beyond this tail (a prefix that decode
+                    # workers still hold and no prefill worker does is not computed again there)
+                    here = m.queue_s(d, pool) + m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool)
+                    if here > min(m.queue_s(p, pool) + m.ship_s(p, request, hit_d, pool)
+                                  + m.prefill_s(p, request.uncached(candidates.matched(p)), pool)
+                                  - m.prefill_s(p, uncached, pool) for p in candidates.first):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     penalty = penalty_d[d.worker_id]

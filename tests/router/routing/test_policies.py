@@ -298,6 +298,37 @@ def test_a_short_tail_escapes_a_prefill_queue_to_the_decode_worker_that_holds_it
     assert not y.local and y.first.worker_id == "p0" and y.decode.worker_id == "d0"
 
 
+def test_a_prefix_only_a_decode_worker_holds_is_prefilled_there_not_again_in_the_prefill_pool() -> None:
+    """The 0.6-load 2P+2D log (seed 2, request 240): the decode worker held the whole 1k prefix, the
+    prefill workers 30 blocks of it behind a queue and none of it; the old gate (the tail's compute
+    here against the best shipment + queue alone) left the idle prefill worker's short queue as
+    the bar, so 576 tokens were computed again in the pool and four requests behind them waited."""
+    pol = make_policy("cost", seed=0)
+    pf, loopback = (0.053, 0.0017), (0.06, 2e-9)
+    p = [_worker("p0", pending=128, prefill=pf, ship=loopback), _worker("p1", pending=32, prefill=pf, ship=loopback)]
+    d = [_worker("d0", "decode", running=7, decode=(0.035, 0.0008)),
+         _worker("d1", "decode", running=2, decode=(0.04, 0.0032))]
+    for w in d:  # a decode worker that never prefilled borrows the pool's prefill fit
+        w.load.prefill = LinearCost()
+    request, matched = _request(1024 + 32), {"p0": 30, "d1": 64}
+    m = CostModel()
+    tail = request.uncached(64)
+    old_bar = min(m.ship_s(w, request, 64, p + d) + m.queue_s(w, p + d) for w in p)
+    assert m.prefill_s(d[1], tail, p + d) + m.decoding_s(d[1], tail, p + d) > old_bar  # the old gate said no
+    x = pol.route(request, Candidates(p, d, matched))
+    assert x.local and x.first.worker_id == "d1" and x.reason == "local_prefill"
+    # the prefill pool holding the prefix as well, and idle: the tail is computed there
+    p[1].load.reported_pending_prefill = 0
+    y = pol.route(request, Candidates(p, d, {"p0": 30, "p1": 64, "d1": 64}))
+    assert not y.local and y.first.worker_id == "p1"
+
+
+def test_an_idle_decode_worker_leaves_a_prompt_nobody_holds_to_the_prefill_pool() -> None:
+    pol = make_policy("cost", seed=0)
+    x = pol.route(_request(), Candidates([_worker("p0")], [_worker("d0", "decode")]))
+    assert not x.local and x.first.worker_id == "p0" and x.decode.worker_id == "d0"
+
+
 def test_cost_on_colocated_workers_weighs_cache_against_queue() -> None:
     pol = make_policy("cost", seed=0)
     c = [_worker("c0", "colocated", pending=100), _worker("c1", "colocated")]
