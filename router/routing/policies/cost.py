@@ -92,6 +92,9 @@ class CompletionCost(RoutingPolicy):
                             + board_s[d.worker_id] + evict_d[d.worker_id] + penalty)
                     options.append((cost, ttft, p, d, penalty))
             if self.conditional_disaggregation:
+                # each prefill worker's side of the gate, but for the tail it would compute anyway
+                lacks_p = [(p, m.queue_s(p, pool) + m.prefill_s(p, request.uncached(candidates.matched(p)), pool))
+                           for p in candidates.first]
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     uncached = request.uncached(hit_d)
@@ -100,9 +103,8 @@ class CompletionCost(RoutingPolicy):
                     # and the part of the prompt it lacks beyond this tail (a prefix that decode
                     # workers still hold and no prefill worker does is not computed again there)
                     here = m.queue_s(d, pool) + m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool)
-                    if here > min(m.queue_s(p, pool) + m.ship_s(p, request, hit_d, pool)
-                                  + m.prefill_s(p, request.uncached(candidates.matched(p)), pool)
-                                  - m.prefill_s(p, uncached, pool) for p in candidates.first):
+                    if here > min(lacks + m.ship_s(p, request, hit_d, pool) - m.prefill_s(p, uncached, pool)
+                                  for p, lacks in lacks_p):
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     penalty = penalty_d[d.worker_id]
