@@ -21,12 +21,12 @@ again in the prefill pool. It is one more candidate, paying for the stall its ru
 suffer while it prefills.
 Candidates within ``tie_tolerance`` of the best are tied, and a tie is broken at random.
 
-Placing a new prefix (no worker holds any of the prompt) where the best candidates' caches would
-be left without room for another prompt like it: among candidates within ``placement_tolerance``
-of the best, the worker whose cache has the most empty room (SGLang's and Ray Serve's "smallest
-tree" rule). Where a prefix lands decides every later request's hits, while the estimates of
-identical idle workers differ by their rate fits' noise (10-30%); a prefix placed into the last of
-a cache's room is partly evicted by the next requests' blocks there.
+Placing a new prefix (no worker holds any of the prompt): among candidates within
+``placement_tolerance`` of the best, the worker whose cache can take the most more prompts like
+it without evicting (SGLang's and Ray Serve's "smallest tree" rule, in whole prompts). Where a
+prefix lands decides every later request's hits, while the estimates of identical idle workers
+differ by their rate fits' noise (10-30%) or not at all: left to a coin toss, four of eight
+system prompts landed on one worker while another got no request all run.
 """
 
 from __future__ import annotations
@@ -122,20 +122,25 @@ class CompletionCost(RoutingPolicy):
 
     def _roomiest(self, request: RouteRequest, candidates: Candidates, options: list[_Option],
                   tied: list[_Option]) -> list[_Option] | None:
-        """For a prompt no worker holds any of: the options near the best whose cache has the most
-        empty room, where the best ones would be left without room for another prompt like it and
-        a roomier cache takes this one without evicting; None where room does not decide."""
+        """For a prompt no worker holds any of: the options near the best whose caches can take the
+        most more prompts like it without evicting (the prefill side first, then the decode side),
+        where some of the tied best ones can take fewer; None where room does not decide."""
         blocks = len(request.block_hashes)  # what the prompt leaves cached where it is prefilled
         workers = candidates.first + candidates.decode
         if self.placement_tolerance <= 0 or not blocks or any(candidates.matched(w) for w in workers):
             return None
-        room = {w.worker_id: self.model.empty_blocks(w, candidates.cached(w)) for w in workers}
+        # in whole prompts: caches a few blocks apart are equals, and the estimates decide
+        fits = {w.worker_id: self.model.empty_blocks(w, candidates.cached(w)) // blocks for w in workers}
+
+        def room(o: _Option) -> tuple[int, int]:
+            first = fits[o[2].worker_id]
+            return first, fits[o[3].worker_id] if o[3] is not None else first
+
         near = self._within(options, self.placement_tolerance)
-        most = max(room[o[2].worker_id] for o in near)
-        best_room = max(room[o[2].worker_id] for o in tied)
-        if not (best_room < 2 * blocks and most >= blocks and most > best_room):
+        most = max(room(o) for o in near)
+        if most[0] < 1 or all(room(o) == most for o in tied):
             return None
-        return self._within([o for o in near if room[o[2].worker_id] == most], self.tie_tolerance)
+        return self._within([o for o in near if room(o) == most], self.tie_tolerance)
 
     @staticmethod
     def _within(options: list[_Option], tolerance: float) -> list[_Option]:

@@ -173,10 +173,10 @@ def test_cost_puts_a_new_prefix_where_it_evicts_least(seed: int, layout: str) ->
 @pytest.mark.parametrize("layout", ["2P+1D", "colocated"])
 def test_a_new_prefix_goes_to_the_roomier_cache_when_the_estimates_differ_by_fit_noise(seed: int, layout: str) -> None:
     """Idle workers, neither holding the prompt (63 full blocks), both with room for it: the one
-    measured 15% faster would be left with room for less than another such prompt. The prefix goes
-    where the cache has room to keep it, unless the estimates differ by more than
-    ``placement_tolerance``; where the faster one has room to spare, or some worker holds part of
-    the prompt, room does not decide."""
+    measured 15% faster has room for fewer more prompts like it. The prefix goes where the cache
+    has room for more, unless the estimates differ by more than ``placement_tolerance``; where
+    both have room for as many whole prompts, or some worker holds part of the prompt, room does
+    not decide."""
     role = "colocated" if layout == "colocated" else "prefill"
     d = [] if layout == "colocated" else [_worker("d0", "decode")]
     fuller, roomy = _worker("w0", role, free_blocks=900), _worker("w1", role, free_blocks=900, prefill=(0.005, 1.15 / 2000))
@@ -187,12 +187,36 @@ def test_a_new_prefix_goes_to_the_roomier_cache_when_the_estimates_differ_by_fit
     for off in (make_policy("cost", seed=seed, placement_tolerance=0.0), make_policy("cost", seed=seed, placement_tolerance=0.1)):
         assert off.route(_request(), Candidates([fuller, roomy], d, {}, cached_blocks=cached)).first.worker_id == "w0"
     spare = pol.route(_request(), Candidates([fuller, roomy], d, {}, cached_blocks={"w0": 600, "w1": 200}))
-    assert spare.first.worker_id == "w0" and spare.reason == "load"  # 300 empty: room for this and another
+    assert spare.first.worker_id == "w1" and spare.reason == "cache_room"  # 300 empty: 4 prompts, 700: 11
+    alike = pol.route(_request(), Candidates([fuller, roomy], d, {}, cached_blocks={"w0": 600, "w1": 590}))
+    assert alike.first.worker_id == "w0" and alike.reason == "load"  # 300 and 310 empty: 4 prompts each
     held = pol.route(_request(), Candidates([fuller, roomy], d, {"w0": 8}, cached_blocks=cached))
     assert held.first.worker_id == "w0" and held.reason == "prefix"
     if d:  # a decode worker holding part of it: not a new prefix either
         at_decode = pol.route(_request(), Candidates([fuller, roomy], d, {"d0": 8}, cached_blocks=cached))
         assert at_decode.reason != "cache_room"
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("layout", ["2P+2D", "colocated"])
+def test_new_prefixes_spread_over_every_worker_of_a_pool_of_equals(seed: int, layout: str) -> None:
+    """A deployment's first prompts, one at a time on idle identical workers (a benchmark's warm-up):
+    eight system prompts of 63 blocks, each left cached where it ran. Their estimates are all
+    equal, and a coin toss put four on one worker and none on another; each cache now takes two,
+    and so does each decode worker."""
+    role = "colocated" if layout == "colocated" else "prefill"
+    first = [_worker(f"w{i}", role, free_blocks=364) for i in range(4 if layout == "colocated" else 2)]
+    d = [] if layout == "colocated" else [_worker(f"d{i}", "decode", free_blocks=364) for i in range(2)]
+    pol = make_policy("cost", seed=seed)
+    cached: Counter[str] = Counter()
+    for _ in range(8):
+        x = pol.route(_request(), Candidates(first, d, {}, cached_blocks=dict(cached)))
+        assert x.reason in ("load", "cache_room")
+        for w in (x.first, x.decode):
+            if w is not None:
+                cached[w.worker_id] += 63
+    assert all(cached[w.worker_id] == (2 if layout == "colocated" else 4) * 63 for w in first)
+    assert all(cached[w.worker_id] == 4 * 63 for w in d)
 
 
 def test_the_eviction_price_never_outweighs_a_holder_of_the_prefix() -> None:
