@@ -119,6 +119,22 @@ class _Placement:
     hashes: list[bytes]
     estimated_ttft_s: float | None
     prefilling: bool = True
+    max_tokens: int = 0  # each sample's output budget
+    decode_left: int = 0  # output tokens its samples may still produce, counted on the decoding worker
+
+    @property
+    def decoding(self) -> WorkerRef:
+        return self.decode if self.decode is not None else self.first
+
+    def produced(self, delta: TokenDelta, emitted: list[int]) -> None:
+        """A sample's tokens (``emitted``: all it has produced) come off what the decoding worker has
+        left to produce, and its whole rest when it ends sooner (a stop)."""
+        done = len(delta.token_ids)
+        if delta.finish_reason is not None:
+            done += max(self.max_tokens - len(emitted), 0)
+        done = min(done, self.decode_left)
+        self.decode_left -= done
+        self.decoding.load.local_decode_left -= done
 
 
 class PoolClient:
@@ -287,6 +303,8 @@ class PoolClient:
                 if delta.finish_reason is not None:
                     stream.finished.add(delta.index)
                 stream.emitted.setdefault(delta.index, []).extend(delta.token_ids)
+                if placed is not None:
+                    placed.produced(delta, stream.emitted[delta.index])
                 yield delta
                 if delta.finish_reason is not None:
                     stream.remaining -= 1
@@ -318,9 +336,13 @@ class PoolClient:
         resumed = {i: toks for i, toks in stream.emitted.items() if i not in stream.finished}
         longest = max((len(t) for t in resumed.values()), default=0)
         pending = len(prompt_token_ids) + longest - decision.matched_blocks * (self._block_size or 0)
-        placed = _Placement(first, decode, pending, hashes, decision.estimated_ttft_s)
+        budget = self._max_tokens(len(prompt_token_ids), params)
+        left = sum(max(budget - len(stream.emitted.get(i, [])), 0) for i in range(stream.n) if i not in stream.finished)
+        placed = _Placement(first, decode, pending, hashes, decision.estimated_ttft_s,
+                            max_tokens=budget, decode_left=left)
         first.load.outstanding += 1
         first.load.local_pending_prefill += pending
+        placed.decoding.load.local_decode_left += left
         if decode is not None:
             decode.load.outstanding += 1
         common = (priority, salt, time.monotonic() - arrival, decode.worker_id if decode else None,
@@ -349,6 +371,7 @@ class PoolClient:
 
     def _unplace(self, placed: _Placement) -> None:
         placed.first.load.outstanding -= 1
+        placed.decoding.load.local_decode_left -= placed.decode_left
         if placed.prefilling:
             placed.first.load.local_pending_prefill -= placed.pending
         if placed.decode is not None:

@@ -22,7 +22,8 @@ from workers.registry import Registry
 class WorkerLoad:
     """What the front knows about a worker's load and speed.
 
-    ``outstanding`` and ``local_pending_prefill`` are this front's own exact counts; the rest come
+    ``outstanding``, ``local_pending_prefill`` and ``local_decode_left`` are this front's own exact
+    counts; the rest come
     from the worker's last stats snapshot (seconds old). The three ``LinearCost`` fits are its
     prefill step time (per prompt token), decode step time (per running sequence) and KV shipment
     time (per byte), measured from the snapshots' cumulative counters.
@@ -30,6 +31,7 @@ class WorkerLoad:
 
     outstanding: int = 0  # requests this front has in flight on the worker
     local_pending_prefill: int = 0  # prompt tokens this front sent that have not produced a token
+    local_decode_left: int = 0  # output tokens this front's requests decoding there may still produce
     sole_front: bool = True  # no other front sends work: the local counts are the whole truth
     num_running: int = 0
     num_waiting: int = 0
@@ -108,6 +110,12 @@ class WorkerLoad:
         if self.sole_front:
             return self.local_pending_prefill
         return max(self.reported_pending_prefill, self.local_pending_prefill)
+
+    @property
+    def decode_tokens_left(self) -> int | None:
+        """Output tokens the sequences decoding there may still produce (at most: a stop ends one
+        sooner); None where other fronts send work too, whose requests this front cannot see."""
+        return self.local_decode_left if self.sole_front else None
 
     @property
     def running(self) -> int:

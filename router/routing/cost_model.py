@@ -29,7 +29,9 @@ board over its cores (``share_factor``), and the core time a request adds there 
 the per-token part, a prompt's step whole on an idle worker, a decode step's overhead shared by
 the batch it joins) is taken from the
 mates' requests wherever the board's workers want more cores than it has (``board_s``), both
-times ``share_weight`` (0 turns both off). Work is work on a full board: a cold copy of a prefix
+times ``share_weight`` (0 turns both off). A mate decoding counts as stepping for as long as its
+running sequences have tokens left to produce (the front's count), not for the whole prompt: two
+16-token sequences near their end do not stretch a 1k-token prefill beside them by half. Work is work on a full board: a cold copy of a prefix
 costs every request stepping there, whichever worker computes it, and a decode batch one worker
 already steps grows for less than a second worker's steps would take. On hardware of a worker's
 own (a GPU, reserved cores) both are neutral.
@@ -207,11 +209,20 @@ class CostModel:
 
     # ------------------------------------------------------------------ cores shared on a board
     def busy_s(self, worker: Any, horizon_s: float, pool: list[Any]) -> float:
-        """How much of the next ``horizon_s`` seconds ``worker`` steps: all of it while it decodes,
-        else its queued prefill."""
-        if worker.role != "prefill" and worker.load.running > 0:
+        """How much of the next ``horizon_s`` seconds ``worker`` steps: its queued prefill, and while
+        it decodes, the steps its running sequences have left at most (all of the horizon where
+        that is unknown: other fronts send work there too)."""
+        load, queued = worker.load, self.queue_s(worker, pool)
+        if worker.role == "prefill" or load.running <= 0:
+            return min(queued, horizon_s)
+        left = load.decode_tokens_left
+        if left is None:
             return horizon_s
-        return min(self.queue_s(worker, pool), horizon_s)
+        # the batch's tokens spread over its sequences: how long it keeps stepping, about (a stop
+        # ends one sooner, a long one stays after the others)
+        df = self._fit(worker, "decode", pool, PRIOR_DECODE)
+        steps = math.ceil(max(left, 0) / load.running)
+        return min(queued + steps * (df.fixed + df.per_unit * load.running), horizon_s)
 
     def share_factor(self, worker: Any, seconds: float, pool: list[Any]) -> float:
         """How much longer ``seconds`` of stepping on ``worker`` take for turns at cores it shares:
@@ -245,20 +256,29 @@ class CostModel:
 
         Where the board's workers want more cores than it has, the added time is taken from the
         mates that want them, and each of their requests waits for it. A mate wants cores while it
-        steps and, idle now, as often as it did lately (``WorkerLoad.demand``): a board that is
-        busy on the whole is priced as such, whichever of its workers is idle this instant.
+        steps (decoding, until its sequences' tokens run out) and as often as it did lately
+        (``WorkerLoad.demand``): a board that is busy on the whole is priced as such, whichever of
+        its workers is idle this instant.
         """
         mates = _board_mates(worker, pool)
         load = worker.load
         if self.share_weight == 0 or not mates or seconds <= 0:
             return 0.0
-        wants = [(1.0 if _stepping(w) else min(max(w.load.demand, 0.0), 1.0)) for w in mates]
+        wants = [self._wants(w, seconds, pool) for w in mates]
         threads = sum(a * w.load.step_threads for a, w in zip(wants, mates))
         over = min(max(threads + load.step_threads - load.board_cores, 0.0), load.step_threads)
         if over <= 0 or threads <= 0:
             return 0.0
         requests = sum(a * max(w.load.running, 1) for a, w in zip(wants, mates))
         return self.share_weight * seconds * over * requests / threads
+
+    def _wants(self, worker: Any, seconds: float, pool: list[Any]) -> float:
+        """The share of the next ``seconds`` ``worker`` wants its cores: all of it while it steps
+        (a decoding one, while its sequences have tokens left), and as often as it did lately."""
+        lately = min(max(worker.load.demand, 0.0), 1.0)
+        if worker.role != "prefill" and worker.load.running > 0:
+            return max(self.busy_s(worker, seconds, pool) / seconds, lately)
+        return 1.0 if _stepping(worker) else lately
 
     def _contention(self, others: list[Any], horizon_s: float, pool: list[Any]) -> float:
         """Threads the board's other workers step with, averaged over the horizon."""

@@ -115,13 +115,15 @@ def test_both_samples_of_a_failed_shipment_resume_even_when_their_failures_arriv
         await pool.start(stats_interval_s=0.05)
         try:
             got = await asyncio.wait_for(_collect(pool, SamplingParams(n=2, max_tokens=4, seed=1)), 10)
-            return got, pool.migrations_total, worker.added
+            left = [w.load.local_decode_left for w in pool.workers.values()]
+            return got, pool.migrations_total, worker.added, left
         finally:
             await pool.stop()
 
-    (toks, reasons), migrations, added = asyncio.run(main())
+    (toks, reasons), migrations, added, left = asyncio.run(main())
     assert toks == FULL and reasons == {0: "length", 1: "length"}
     assert migrations == 1
+    assert left == [0, 0]  # the tokens-left count came through the migration whole
     # one migration placed each sample alone, resuming from its first token
     assert sorted((r["index"], r["output_token_ids"]) for _, r in added[1:]) == [(0, [11]), (1, [21])]
 
@@ -182,6 +184,28 @@ def test_decode_tokens_that_overtake_the_prefill_workers_first_token_wait_for_it
     toks, reasons = asyncio.run(main())
     assert toks == {0: [11, 12, 13, 14]} and reasons == {0: "length"}
     assert pool.migrations_total == 0
+
+
+def test_the_decode_worker_s_tokens_left_follow_each_sample_and_end_at_zero():
+    """The front's count of output tokens a decode worker may still produce (what the cost model
+    bounds its busy time by): the whole budget at placement, one less a token (the prefill
+    worker's first one too), the rest of a sample's budget when it ends sooner, and 0 after."""
+    decode = ScriptedWorker(lambda *a: [])
+    pool, _ = _pool(_handoff(decode, [12, 13]), decode)
+    seen: list[tuple[int, int]] = []
+
+    async def main():
+        await pool.start(stats_interval_s=0.05)
+        try:
+            async for d in pool.generate("r", [1, 2, 3], SamplingParams(max_tokens=6)):
+                seen.append((len(d.token_ids), pool.workers["decode-0"].load.local_decode_left))
+        finally:
+            await pool.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    # 11 from the prefill worker, 12 from the decode worker, 13 ends the sample 3 tokens short
+    assert seen == [(1, 5), (1, 4), (1, 0)]
+    assert pool.workers["prefill-0"].load.local_decode_left == 0
 
 
 def test_the_decision_log_pairs_each_routed_request_with_its_measured_ttft(tmp_path):

@@ -541,6 +541,31 @@ def test_cost_grows_the_batch_a_worker_steps_rather_than_wake_one_on_a_full_boar
     assert pol.route(_request(), Candidates(p, d, held)).decode.worker_id == "d1"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_mate_whose_sequences_are_near_their_end_does_not_keep_a_new_prompt_off_an_idle_worker(seed: int) -> None:
+    """Two cores: c0 steps its queue, c1 decodes two sequences, c2 is idle. A prompt nobody holds
+    (1k tokens, about 0.5 s) waking c2 makes three threads on two cores only while c1's sequences
+    have tokens left. With two left each they are done in two steps: c2 takes it. With sixteen
+    each, or where other fronts' requests may be there too (the count unknown), c1's batch keeps
+    the board full: the prompt joins c1's steps, as it did before the count was kept."""
+
+    def board(left: int | None) -> list[Fake]:
+        c = _on_board([_worker("c0", "colocated", pending=400, running=3), _worker("c1", "colocated", running=2),
+                       _worker("c2", "colocated")])
+        if left is not None:  # the only front: its counts are the worker's
+            c[1].load.sole_front, c[1].load.outstanding, c[1].load.local_decode_left = True, 2, left
+        return c
+
+    m = CostModel()
+    assert m.busy_s(board(None)[1], 1.0, board(None)) == 1.0
+    near_end = board(4)
+    assert m.busy_s(near_end[1], 1.0, near_end) == pytest.approx(2 * (0.02 + 2 * 0.002))
+    pol = make_policy("cost", seed=seed)
+    assert pol.route(_request(), Candidates(near_end, [], {})).first.worker_id == "c2"
+    assert pol.route(_request(), Candidates(board(32), [], {})).first.worker_id == "c1"
+    assert pol.route(_request(), Candidates(board(None), [], {})).first.worker_id == "c1"
+
+
 def test_a_board_stretches_the_ttft_estimate_by_the_turns_the_prefill_waits_for() -> None:
     pol = make_policy("cost", seed=0)
     p = [_worker("p0")]
