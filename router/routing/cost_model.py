@@ -31,9 +31,10 @@ the batch it joins) is taken from the
 mates' requests wherever the board's workers want more cores than it has (``board_s``), both
 times ``share_weight`` (0 turns both off). A mate decoding counts as stepping for as long as its
 running sequences have tokens left to produce (the front's count), not for the whole prompt: two
-16-token sequences near their end do not stretch a 1k-token prefill beside them by half. Work is work on a full board: a cold copy of a prefix
-costs every request stepping there, whichever worker computes it, and a decode batch one worker
-already steps grows for less than a second worker's steps would take. On hardware of a worker's
+16-token sequences near their end do not stretch a 1k-token prefill beside them by half. Work is
+work on a full board: a cold copy of a prefix costs every request stepping there, whichever worker
+computes it, and a decode batch one worker already steps grows for less than a second worker's
+steps would take. On hardware of a worker's
 own (a GPU, reserved cores) both are neutral.
 """
 
