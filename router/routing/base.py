@@ -89,17 +89,18 @@ class WorkerLoad:
         share = min((wanted_s - last[0]) / (now - last[1]), 1.0)
         self.demand = 0.5 * self.demand + 0.5 * share
 
-    def fit(self, kind: str, steps: bool = True, step: StepFit | None = None) -> tuple[float, float] | None:
+    def fit(self, kind: str, steps: bool = True, step: StepFit | None = None,
+            interval: LinearCost | None = None) -> tuple[float, float] | None:
         """(seconds a step, seconds per unit) of ``kind`` (``prefill``: per prompt token, ``decode``:
         per running sequence, ``ship``: per byte), or None before this worker measured it. The
         step fit (``step``, else this worker's own) where the steps tell that term apart (and
-        ``steps``), else the interval fit."""
+        ``steps``), else the interval fit (``interval``, else this worker's own)."""
         step = step or self.step
         if steps and kind == "prefill" and step.prefill_fitted:
             return step.overhead, step.per_prefill_token
         if steps and kind == "decode" and step.decode_fitted:
             return step.overhead, step.per_decode_seq
-        cost: LinearCost = getattr(self, kind)
+        cost: LinearCost = interval or getattr(self, kind)
         return (cost.fixed, cost.per_unit) if cost.fitted else None
 
     @property

@@ -7,8 +7,10 @@ KV shipment         = per-shipment overhead + blocks the decode worker lacks x b
                       the prefill worker's measured link cost
 decoding            = output tokens x the decode worker's step time with one more sequence running
 
-A worker that has not done the work yet borrows the mean fit of those that have; before any has,
-a prior stands in (the first requests of a deployment only). ``stall_weight`` prices the delay a
+Workers of one role on the same hardware (device, threads, dtype, model) share one fit of all their
+intervals (or steps): the prompts one computed whole tell the per-token cost that another's tails,
+all about as long, cannot. A worker that has not done the work yet borrows the mean fit of those
+that have; before any has, a prior stands in (the first requests of a deployment only). ``stall_weight`` prices the delay a
 prefill on a busy worker inflicts on the sequences decoding there: a decode worker prefilling
 locally, or a colocated worker, pays the time the prompt's tokens add to its steps (their
 per-token part: the steps happen for its running sequences anyway) once per sequence, times the
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.routing.base import RouteRequest
-from router.routing.rates import StepFit
+from router.routing.rates import LinearCost, StepFit
 
 # Priors until a worker reports (SmolLM2-135M fp32 on 2 Zen 3 cores, order of magnitude).
 PRIOR_PREFILL = (0.005, 1 / 2000)  # seconds per step, per prompt token
@@ -61,12 +63,12 @@ class _Fit:
     per_unit: float
 
 
-def _fit(worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float], steps: bool = True,
-         step_of: Callable[[Any], StepFit | None] = lambda w: None) -> _Fit:
-    own = worker.load.fit(attr, steps, step_of(worker))
+def _fit(worker: Any, pool: Iterable[Any], prior: tuple[float, float],
+         fit_of: Callable[[Any], tuple[float, float] | None]) -> _Fit:
+    own = fit_of(worker)
     if own is not None:
         return _Fit(*own)
-    fitted = [f for f in (w.load.fit(attr, steps, step_of(w)) for w in pool) if f is not None]
+    fitted = [f for f in (fit_of(w) for w in pool) if f is not None]
     if fitted:
         return _Fit(sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))
     return _Fit(*prior)
@@ -76,39 +78,66 @@ class CostModel:
     """Estimates in seconds; ``pool`` is every worker, for borrowing fits."""
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
-                 share_weight: float = 1.0, step_fit: bool = False, pool_steps: bool = True) -> None:
+                 share_weight: float = 1.0, step_fit: bool = False, pool_fits: bool = True) -> None:
         self.stall_weight = stall_weight
         self.work_weight = work_weight
         self.evict_weight = evict_weight
         self.share_weight = share_weight
         # True: price steps from the fit to the steps themselves where it has a term
         self.step_fit = step_fit
-        # True: workers on the same hardware fit their steps together (one fit of all their steps):
-        # alone, identical idle workers of a tiny model fitted 2-3x apart by noise
-        self.pool_steps = pool_steps
-        self._pooled: dict[str, tuple[tuple[Any, ...], StepFit]] = {}
+        # True: workers on the same hardware fit together (one fit of all their steps, or of all
+        # their intervals): alone, identical idle workers of a tiny model fitted 2-3x apart by
+        # noise, and colocated workers fed only prompt tails priced a 1k-token prompt 7x apart
+        self.pool_fits = pool_fits
+        self._pooled: dict[Any, tuple[tuple[Any, ...], Any]] = {}
 
     def _fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
-        if not self.step_fit or not self.pool_steps:
-            return _fit(worker, attr, pool, prior, self.step_fit)
+        if not self.pool_fits:
+            return _fit(worker, pool, prior, lambda w: w.load.fit(attr, self.step_fit))
         pool = list(pool)
-        return _fit(worker, attr, pool, prior, True, lambda w: self.pooled_step(w, pool))
+        return _fit(worker, pool, prior, lambda w: w.load.fit(
+            attr, self.step_fit, self.pooled_step(w, pool) if self.step_fit else None,
+            self.pooled_intervals(w, attr, pool)))
 
     def pooled_step(self, worker: Any, pool: Iterable[Any]) -> StepFit:
         """The step fit to the steps of every worker in ``pool`` on ``worker``'s hardware (the same
         device, threads, dtype and model): its own where it names none or has no such mates."""
-        hardware = worker.load.hardware
-        mates = sorted((w for w in pool if w.load.hardware == hardware), key=lambda w: w.worker_id) if hardware else []
-        if not any(w is worker for w in mates):
-            mates.append(worker)
+        mates = _mates(worker, pool, lambda w: w.load.hardware)
         if len(mates) == 1:
             return worker.load.step
         key = tuple((w.worker_id, id(w.load.step), w.load.step.version) for w in mates)
-        cached = self._pooled.get(hardware)
+        cached = self._pooled.get(worker.load.hardware)
         if cached is not None and cached[0] == key:
             return cached[1]
         fit = StepFit.of_sums([sum(col) for col in zip(*(w.load.step.sums for w in mates))])
-        self._pooled[hardware] = (key, fit)
+        self._pooled[worker.load.hardware] = (key, fit)
+        return fit
+
+    def pooled_intervals(self, worker: Any, attr: str, pool: Iterable[Any]) -> LinearCost:
+        """The interval fit of ``attr`` to the intervals of every worker in ``pool`` with
+        ``worker``'s hardware and role: its own where it names no hardware or has no such mates.
+
+        One role only: a prefill worker's prefill intervals are prompts alone, a decode worker's
+        are prompt tails inside decode steps, whose time the engine splits by token share. Pooled,
+        the prompts one worker computed whole tell its mates' fits the per-token cost that their
+        tails alone (all about as long) cannot.
+        """
+        own: LinearCost = getattr(worker.load, attr)
+        if not _measured(own):
+            return own
+        # only fits made of intervals: one set by hand (a test's, an operator's) has no sums to pool
+        mates = [w for w in _mates(worker, pool, lambda w: (w.load.hardware, w.role))
+                 if _measured(getattr(w.load, attr))]
+        if len(mates) == 1:
+            return own
+        costs: list[LinearCost] = [getattr(w.load, attr) for w in mates]
+        key = tuple((w.worker_id, id(c), c.version) for w, c in zip(mates, costs))
+        slot = (worker.load.hardware, worker.role, attr)
+        cached = self._pooled.get(slot)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        fit = LinearCost.of_sums([sum(col) for col in zip(*(c.sums for c in costs))], own.fallback)
+        self._pooled[slot] = (key, fit)
         return fit
 
     def prefill_s(self, worker: Any, tokens: int, pool: Iterable[Any]) -> float:
@@ -296,3 +325,19 @@ def _board_mates(worker: Any, pool: Iterable[Any]) -> list[Any]:
     if not board or worker.load.board_cores <= 0:
         return []
     return [w for w in pool if w is not worker and w.load.core_board == board]
+
+
+def _mates(worker: Any, pool: Iterable[Any], kind: Callable[[Any], Any]) -> list[Any]:
+    """The workers of ``pool`` of ``worker``'s kind (``worker`` among them), in a stable order;
+    ``worker`` alone where it names no hardware."""
+    if not worker.load.hardware:
+        return [worker]
+    mine = kind(worker)
+    mates = sorted((w for w in pool if w.load.hardware and kind(w) == mine), key=lambda w: w.worker_id)
+    if not any(w is worker for w in mates):
+        mates.append(worker)
+    return mates
+
+
+def _measured(cost: LinearCost) -> bool:
+    return cost.fitted and any(cost.sums)

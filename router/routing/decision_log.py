@@ -63,7 +63,7 @@ def _worker_view(worker: Any, candidates: Candidates) -> dict[str, Any]:
             "decode_left": load.decode_tokens_left,
             "free_blocks": load.num_free_blocks, "demand": round(load.demand, 4),
             # the worker's own fits ([s a step, s a unit], None: unmeasured): the step fit's term where
-            # it has one, else the interval fit; ``cost`` pools step fits over workers of one hardware
+            # it has one, else the interval fit; ``cost`` pools them over workers of one hardware (and role)
             "prefill_fit": load.fit("prefill"), "decode_fit": load.fit("decode"), "ship_fit": load.fit("ship"),
             "hardware": load.hardware,
             "step_fit": [load.step.overhead, load.step.per_prefill_token, load.step.per_decode_seq,

@@ -35,8 +35,21 @@ class LinearCost:
     fixed: float = 0.0
     per_unit: float = 0.0
     fitted: bool = False
+    version: int = 0  # counts the changes of ``sums``: a pooled fit of them is cached until it moves
     _last: tuple[float, float, float] | None = None
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # nn, nu, uu, ns, us
+
+    @classmethod
+    def of_sums(cls, sums: tuple[float, ...] | list[float], fallback: str = "per_unit") -> LinearCost:
+        """The fit to the intervals these (decayed) sums describe: several workers' summed."""
+        cost = cls(fallback=fallback, _sums=tuple(float(s) for s in sums))  # type: ignore[arg-type]
+        cost._solve()
+        return cost
+
+    @property
+    def sums(self) -> tuple[float, float, float, float, float]:
+        """The decayed least-squares sums the fit solves (nn, nu, uu, ns, us)."""
+        return self._sums
 
     def observe(self, count: float, units: float, seconds: float) -> None:
         last, self._last = self._last, (count, units, seconds)
@@ -50,6 +63,7 @@ class LinearCost:
         k = self.decay
         nn, nu, uu, ns, us = self._sums
         self._sums = (k * nn + dn * dn, k * nu + dn * du, k * uu + du * du, k * ns + dn * ds, k * us + du * ds)
+        self.version += 1
         self._solve()
 
     def _solve(self) -> None:

@@ -634,7 +634,7 @@ def test_workers_on_the_same_hardware_fit_their_steps_together() -> None:
     pool = [a, b]
     assert m.prefill_s(a, 100, pool) == pytest.approx(m.prefill_s(b, 100, pool))
     assert 0.004 < m.prefill_s(a, 0, pool) < 0.008
-    alone = CostModel(step_fit=True, pool_steps=False)
+    alone = CostModel(step_fit=True, pool_fits=False)
     assert alone.prefill_s(a, 0, pool) == pytest.approx(0.004) and alone.prefill_s(b, 0, pool) == pytest.approx(0.008)
     # new steps move the pooled fit (it is cached only while no worker's steps changed)
     before = m.prefill_s(a, 0, pool)
@@ -645,3 +645,65 @@ def test_workers_on_the_same_hardware_fit_their_steps_together() -> None:
     assert m.prefill_s(a, 0, pool) == pytest.approx(0.004)
     a.load.hardware = ""
     assert m.prefill_s(a, 0, pool) == pytest.approx(0.004)
+
+
+def _intervals(wid: str, hardware: str, prompts: list[int], role: str = "colocated",
+               per_token: float = 0.0014, overhead: float = 0.03) -> Fake:
+    """A worker whose prefill intervals each computed one of ``prompts`` in a step of ``overhead``
+    + ``per_token`` a token: the interval fit it makes alone is whatever they tell apart."""
+    w = _worker(wid, role)
+    w.load.hardware, w.load.prefill = hardware, LinearCost()
+    n = units = seconds = 0.0
+    w.load.prefill.observe(n, units, seconds)
+    for p in prompts:
+        n, units, seconds = n + 1, units + p, seconds + overhead + per_token * p
+        w.load.prefill.observe(n, units, seconds)
+    return w
+
+
+def test_workers_on_the_same_hardware_and_role_fit_their_intervals_together() -> None:
+    cpu = "cpu:X:1 threads|bf16|m"
+    # the holder of a hot prefix computes only its 32-token tails: alone, its intervals cannot tell a
+    # step's overhead from the tokens' cost and put all of it on the tokens (1.7x the real rate)
+    tails, whole = _intervals("c0", cpu, [32] * 30), _intervals("c1", cpu, [32, 1056, 32, 1056, 32])
+    pool = [tails, whole]
+    truth = 0.03 + 0.0014 * 1056
+    alone = CostModel(pool_fits=False)
+    assert alone.prefill_s(whole, 1056, pool) == pytest.approx(truth)
+    assert alone.prefill_s(tails, 1056, pool) > 1.5 * truth
+    m = CostModel()
+    assert m.prefill_s(tails, 1056, pool) == pytest.approx(truth) and m.prefill_s(whole, 1056, pool) == pytest.approx(truth)
+    # new intervals move the pooled fit (it is cached only while no worker's intervals changed)
+    before = m.prefill_s(tails, 1056, pool)
+    more = _intervals("c1", cpu, [1056] * 20, per_token=0.0028)
+    whole.load.prefill = more.load.prefill
+    assert m.prefill_s(tails, 1056, pool) > before
+    # a worker of another role on that hardware (its prompts' time not shared with decodes), or one
+    # naming no hardware, keeps its own fit
+    whole.role = "prefill"
+    assert m.prefill_s(tails, 1056, pool) == pytest.approx(alone.prefill_s(tails, 1056, pool))
+    whole.role, tails.load.hardware = "colocated", ""
+    assert m.prefill_s(tails, 1056, pool) == pytest.approx(alone.prefill_s(tails, 1056, pool))
+    # a fit set by hand (no intervals behind it) is priced as set, and pools with nothing
+    tails.load.hardware, whole.load.prefill = cpu, _fit(0.5, 0.01)
+    assert m.prefill_s(whole, 100, pool) == pytest.approx(1.5)
+    assert m.prefill_s(tails, 1056, pool) == pytest.approx(alone.prefill_s(tails, 1056, pool))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_cold_prompt_is_not_sent_to_the_worker_whose_own_tails_fit_the_cheapest_tokens(seed: int) -> None:
+    # the colocated run's decision 591 (2026-12-05): three idle-ish workers of one hardware whose
+    # fits from their own tails priced a 1k-token prompt 0.5-3.7 s; the cheapest, decoding three
+    # sequences where another decoded one, took 1.84 s against 0.90 estimated
+    cpu = "cpu:X:1 threads|bf16|m"
+    pool = [_intervals("c0", cpu, [32, 1056, 32] * 3),
+            _intervals("c1", cpu, [16, 32, 48, 64] * 8, per_token=0.0005, overhead=0.09),
+            _intervals("c2", cpu, [16, 32, 48, 64] * 8, per_token=0.0035, overhead=0.0)]
+    pool[1].load.num_running, pool[2].load.num_running = 3, 1
+    alone = make_policy("cost", seed=seed)
+    alone.model.pool_fits = False
+    assert alone.route(_request(1056), Candidates(pool, [])).first.worker_id == "c1"
+    x = make_policy("cost", seed=seed).route(_request(1056), Candidates(pool, []))
+    assert x.first.worker_id == "c0"  # equal rates: the worker decoding nothing
+    ttfts = {wid: est for wid, _, _, est in x.considered}
+    assert ttfts["c1"] > ttfts["c2"] > ttfts["c0"]

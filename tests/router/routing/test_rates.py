@@ -177,3 +177,18 @@ def test_a_fit_of_summed_moments_is_the_fit_of_all_their_steps() -> None:
     versions = a.version
     _feed_steps(a, _holder_intervals(5, 1))
     assert a.version > versions  # new steps: a pooled fit of the old sums is out of date
+
+
+def test_a_fit_of_summed_interval_sums_tells_apart_what_one_worker_s_intervals_cannot() -> None:
+    tails, whole = LinearCost(), LinearCost()
+    _feed(tails, [(1, 32)] * 10, fixed=0.03, per_unit=0.0014)  # one size: all of it per token
+    _feed(whole, [(1, 32), (1, 1056), (2, 64)], fixed=0.03, per_unit=0.0014)
+    assert tails.fixed == 0.0 and tails.per_unit > 1.5 * 0.0014
+    pooled = LinearCost.of_sums([x + y for x, y in zip(tails.sums, whole.sums)])
+    assert pooled.fitted
+    assert pooled.fixed == pytest.approx(0.03, rel=1e-6) and pooled.per_unit == pytest.approx(0.0014, rel=1e-6)
+    assert not LinearCost.of_sums([0.0] * 5).fitted
+    assert LinearCost.of_sums(tails.sums, fallback="fixed").per_unit == 0.0  # a decode fit's fallback
+    version = tails.version
+    _feed(tails, [(1, 32)], fixed=0.03, per_unit=0.0014)
+    assert tails.version > version  # new intervals: a pooled fit of the old sums is out of date
