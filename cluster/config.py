@@ -184,6 +184,8 @@ class RouterSection(BaseModel):
     step_fit: bool = Field(False, description="cost: price a step from a fit to the steps themselves (overhead, "
                            "per prompt token, per decoding sequence) where it has the term; false (default): "
                            "from fits over stats intervals, which put a mixed step's overhead on its prompt tokens")
+    pool_fits: bool = Field(True, description="cost: workers of one role on the same hardware share one fit of "
+                            "their intervals (and steps); false: each worker is priced by its own fits")
     events_interval_s: float = Field(0.25, gt=0, description="how often fronts pull workers' KV events")
     index_ttl_s: float = Field(10.0, gt=0, description="a worker without KV events this long is stale: "
                                "its index entries expire")
@@ -205,7 +207,8 @@ class RouterSection(BaseModel):
         if self.policy == "cost":
             return make_policy("cost", stall_weight=self.stall_weight, work_weight=self.work_weight,
                                share_weight=self.share_weight, placement_tolerance=self.placement_tolerance,
-                               conditional_disaggregation=self.conditional_disaggregation, step_fit=self.step_fit)
+                               conditional_disaggregation=self.conditional_disaggregation, step_fit=self.step_fit,
+                               pool_fits=self.pool_fits)
         return make_policy(self.policy)
 
 

@@ -13,13 +13,16 @@ def test_the_default_policy_is_cost_with_conditional_disaggregation() -> None:
     assert config.router.policy == "cost" and config.router.conditional_disaggregation
     policy = config.router.make_policy()
     assert policy.name == "cost" and policy.conditional_disaggregation
+    assert policy.model.pool_fits and not policy.model.step_fit
 
 
 def test_a_policy_named_in_the_file_is_made_with_its_options(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[router]\npolicy = "cost"\nconditional_disaggregation = false\nstall_weight = 0.5\n')
+    path.write_text('[router]\npolicy = "cost"\nconditional_disaggregation = false\nstall_weight = 0.5\n'
+                    'pool_fits = false\n')
     policy = load_config(path).router.make_policy()
     assert not policy.conditional_disaggregation and policy.model.stall_weight == 0.5
+    assert not policy.model.pool_fits
     path.write_text('[router]\npolicy = "prefix"\n')
     assert load_config(path).router.make_policy().name == "prefix"
 

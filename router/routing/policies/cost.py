@@ -49,8 +49,9 @@ class CompletionCost(RoutingPolicy):
 
     def __init__(self, stall_weight: float = 1.0, work_weight: float = 1.0, evict_weight: float = 1.0,
                  share_weight: float = 1.0, conditional_disaggregation: bool = True, tie_tolerance: float = 0.01,
-                 placement_tolerance: float = 0.25, step_fit: bool = False, seed: int | None = None) -> None:
-        self.model = CostModel(stall_weight, work_weight, evict_weight, share_weight, step_fit)
+                 placement_tolerance: float = 0.25, step_fit: bool = False, pool_fits: bool = True,
+                 seed: int | None = None) -> None:
+        self.model = CostModel(stall_weight, work_weight, evict_weight, share_weight, step_fit, pool_fits)
         self.conditional_disaggregation = conditional_disaggregation
         self.tie_tolerance = tie_tolerance
         self.placement_tolerance = placement_tolerance

@@ -700,8 +700,7 @@ def test_a_cold_prompt_is_not_sent_to_the_worker_whose_own_tails_fit_the_cheapes
             _intervals("c1", cpu, [16, 32, 48, 64] * 8, per_token=0.0005, overhead=0.09),
             _intervals("c2", cpu, [16, 32, 48, 64] * 8, per_token=0.0035, overhead=0.0)]
     pool[1].load.num_running, pool[2].load.num_running = 3, 1
-    alone = make_policy("cost", seed=seed)
-    alone.model.pool_fits = False
+    alone = make_policy("cost", seed=seed, pool_fits=False)
     assert alone.route(_request(1056), Candidates(pool, [])).first.worker_id == "c1"
     x = make_policy("cost", seed=seed).route(_request(1056), Candidates(pool, []))
     assert x.first.worker_id == "c0"  # equal rates: the worker decoding nothing
