@@ -7,14 +7,14 @@ KV shipment         = per-shipment overhead + blocks the decode worker lacks x b
                       the prefill worker's measured link cost
 decoding            = output tokens x the decode worker's step time with one more sequence running
 
-Workers of one role on the same hardware (device, threads, dtype, model) share one fit of all their
-intervals (or steps): the prompts one computed whole tell the per-token cost that another's tails,
-all about as long, cannot. A worker that has not done the work yet borrows the mean fit of those
-that have; before any has, a prior stands in (the first requests of a deployment only). ``stall_weight`` prices the delay a
-prefill on a busy worker inflicts on the sequences decoding there: a decode worker prefilling
-locally, or a colocated worker, pays the time the prompt's tokens add to its steps (their
-per-token part: the steps happen for its running sequences anyway) once per sequence, times the
-weight.
+Workers of one role on the same hardware (device, threads, dtype, model) share one fit of all
+their intervals (or steps): the prompts one computed whole tell the per-token cost that another's
+tails, all about as long, cannot. A worker that has not done the work yet borrows the mean fit of
+those that have; before any has, a prior stands in (the first requests of a deployment only).
+``stall_weight`` prices the delay a prefill on a busy worker inflicts on the sequences decoding
+there: a decode worker prefilling locally, or a colocated worker, pays the time the prompt's tokens
+add to its steps (their per-token part: the steps happen for its running sequences anyway) once
+per sequence, times the weight.
 ``work_weight`` prices the delay a prefill inflicts on the requests that will queue behind it: a
 request's own TTFT alone would send a prompt to an idle worker that must compute it all rather
 than to a holder of its prefix that is busy for about as long, and the cold copy costs every later
