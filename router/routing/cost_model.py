@@ -105,13 +105,8 @@ class CostModel:
         mates = _mates(worker, pool, lambda w: w.load.hardware)
         if len(mates) == 1:
             return worker.load.step
-        key = tuple((w.worker_id, id(w.load.step), w.load.step.version) for w in mates)
-        cached = self._pooled.get(worker.load.hardware)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        fit = StepFit.of_sums([sum(col) for col in zip(*(w.load.step.sums for w in mates))])
-        self._pooled[worker.load.hardware] = (key, fit)
-        return fit
+        steps = [w.load.step for w in mates]
+        return self._pool(worker.load.hardware, mates, steps, lambda sums: StepFit.of_sums(sums))
 
     def pooled_intervals(self, worker: Any, attr: str, pool: Iterable[Any]) -> LinearCost:
         """The interval fit of ``attr`` to the intervals of every worker in ``pool`` with
@@ -131,12 +126,17 @@ class CostModel:
         if len(mates) == 1:
             return own
         costs: list[LinearCost] = [getattr(w.load, attr) for w in mates]
-        key = tuple((w.worker_id, id(c), c.version) for w, c in zip(mates, costs))
-        slot = (worker.load.hardware, worker.role, attr)
+        return self._pool((worker.load.hardware, worker.role, attr), mates, costs,
+                          lambda sums: LinearCost.of_sums(sums, own.fallback))
+
+    def _pool(self, slot: Any, mates: list[Any], fits: list[Any], solve: Callable[[list[float]], Any]) -> Any:
+        """The fit ``solve`` makes of the mates' summed ``fits``, cached in ``slot`` until one of
+        them moves (a new fit object, or new sums: its ``version``)."""
+        key = tuple((w.worker_id, id(f), f.version) for w, f in zip(mates, fits))
         cached = self._pooled.get(slot)
         if cached is not None and cached[0] == key:
             return cached[1]
-        fit = LinearCost.of_sums([sum(col) for col in zip(*(c.sums for c in costs))], own.fallback)
+        fit = solve([sum(col) for col in zip(*(f.sums for f in fits))])
         self._pooled[slot] = (key, fit)
         return fit
 
