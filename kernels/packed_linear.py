@@ -3,7 +3,9 @@
 ``F.linear`` reorders a plain weight into a blocked layout on every call (oneDNN for bf16, MKL's
 sgemm packing for fp32); at the few rows of a decode step that reorder costs as much as the
 multiply itself. Packing at load time skips it:
-- bf16: outputs bit-identical to ``F.linear``, 1.3-2x faster at 1-32 rows and a few percent at
+- bf16: outputs equal to ``F.linear``'s but where the exact sum lies at a bf16 halfway point within
+  fp32 error (both sum in fp32, in different orders, and round once; then they may round to
+  neighbours: a few elements in 10^5 at K=16); 1.3-2x faster at 1-32 rows and a few percent at
   1024 rows (one core, SmolLM2 shapes).
 - fp32 (x86-64): the same sums in another order (within fp32 rounding of ``F.linear``). SmolLM2's
   30 layers + lm_head, 2 threads, 2-core Zen 3 (AVX2): ``F.linear`` 38.3 / 208.7 / 860.2 ms

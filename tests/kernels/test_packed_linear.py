@@ -1,4 +1,5 @@
-"""Packed linear: bf16 bit-identical to ``F.linear``, fp32 within its rounding, and plain fallbacks where it does not apply."""
+"""Packed linear: bf16 within one rounding of ``F.linear`` (equal but at near-ties), fp32 within its
+rounding, and plain fallbacks where it does not apply."""
 
 from __future__ import annotations
 
@@ -17,10 +18,25 @@ needs_fp32_packing = pytest.mark.skipif(packed_linear.pack(torch.zeros(8, 8)) is
                                         reason="fp32 packing is x86-64 only (or this torch has no oneDNN)")
 
 
+def _ordered_bf16(t: torch.Tensor) -> torch.Tensor:
+    """bf16 bit patterns as integers in the order of the values they encode (one step = one ulp)."""
+    bits = t.contiguous().view(torch.int16).int()
+    return torch.where(bits < 0, -32768 - bits, bits)
+
+
+def assert_one_bf16_rounding_apart(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Both accumulate in fp32 and round once, in another summation order: where the exact sum sits
+    within an fp32 error of a bf16 halfway point they may round to neighbours, never further."""
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+    steps = (_ordered_bf16(out) - _ordered_bf16(ref)).abs()
+    assert int(steps.max()) <= 1, f"{int(steps.max())} ulps apart"
+    assert int((steps != 0).sum()) <= max(1, out.numel() // 100)  # a neighbour is rare, not the rule
+
+
 @needs_packing
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_matches_f_linear_bit_for_bit(rows, with_bias):
+def test_packed_matches_f_linear_to_one_rounding(rows, with_bias):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16() if with_bias else None
@@ -29,14 +45,23 @@ def test_packed_matches_f_linear_bit_for_bit(rows, with_bias):
     assert packed is not None
     out = packed_linear.linear(x, w, packed, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
-    assert torch.equal(out, F.linear(x, w, b))
+    assert_one_bf16_rounding_apart(out, F.linear(x, w, b))
+
+
+def test_the_rounding_check_fails_two_ulps_apart():
+    ref = torch.tensor([1.0, -3.96875, 0.0], dtype=torch.bfloat16)
+    assert_one_bf16_rounding_apart(torch.tensor([1.0, -3.984375, 0.0], dtype=torch.bfloat16), ref)
+    with pytest.raises(AssertionError, match="2 ulps"):
+        assert_one_bf16_rounding_apart(torch.tensor([1.0, -4.0, 0.0], dtype=torch.bfloat16), ref)
 
 
 @needs_packing
 def test_non_contiguous_input_rows():
-    w = torch.randn(32, 16).bfloat16()
-    x = torch.randn(5, 32).bfloat16()[:, :16]
-    assert torch.equal(packed_linear.linear(x, w, packed_linear.pack(w)), F.linear(x, w))
+    # seed 88 of torch's global generator once gave a near-tie here that the two kernels rounded apart
+    g = torch.Generator().manual_seed(88)
+    w = torch.randn(32, 16, generator=g).bfloat16()
+    x = torch.randn(5, 32, generator=g).bfloat16()[:, :16]
+    assert_one_bf16_rounding_apart(packed_linear.linear(x, w, packed_linear.pack(w)), F.linear(x, w))
 
 
 @needs_fp32_packing
@@ -103,7 +128,8 @@ def test_parallel_linear_layers_use_the_packed_weight():
     col.pack_weights()
     row.pack_weights()
     assert col.packed is not None and row.packed is not None
-    assert torch.equal(col(x), plain[0]) and torch.equal(row(x), plain[1])
+    assert_one_bf16_rounding_apart(col(x), plain[0])
+    assert_one_bf16_rounding_apart(row(x), plain[1])
 
 
 @needs_fp32_packing
