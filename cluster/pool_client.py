@@ -342,6 +342,7 @@ class PoolClient:
                             max_tokens=budget, decode_left=left)
         first.load.outstanding += 1
         first.load.local_pending_prefill += pending
+        first.load.local_pending_requests += 1
         placed.decoding.load.local_decode_left += left
         if decode is not None:
             decode.load.outstanding += 1
@@ -374,6 +375,7 @@ class PoolClient:
         placed.decoding.load.local_decode_left -= placed.decode_left
         if placed.prefilling:
             placed.first.load.local_pending_prefill -= placed.pending
+            placed.first.load.local_pending_requests -= 1
         if placed.decode is not None:
             placed.decode.load.outstanding -= 1
 
@@ -382,6 +384,7 @@ class PoolClient:
         prediction follow."""
         placed.prefilling = False
         placed.first.load.local_pending_prefill -= placed.pending
+        placed.first.load.local_pending_requests -= 1
         if delta.token_ids and placed.hashes:
             # The prefill is done, however long it queued: the prediction made at routing time must
             # outlive it until the workers' events confirm the blocks.

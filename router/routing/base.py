@@ -22,8 +22,8 @@ from workers.registry import Registry
 class WorkerLoad:
     """What the front knows about a worker's load and speed.
 
-    ``outstanding``, ``local_pending_prefill`` and ``local_decode_left`` are this front's own exact
-    counts; the rest come
+    ``outstanding``, ``local_pending_prefill``, ``local_pending_requests`` and ``local_decode_left``
+    are this front's own exact counts; the rest come
     from the worker's last stats snapshot (seconds old). The three ``LinearCost`` fits are its
     prefill step time (per prompt token), decode step time (per running sequence) and KV shipment
     time (per byte), measured from the snapshots' cumulative counters.
@@ -31,6 +31,7 @@ class WorkerLoad:
 
     outstanding: int = 0  # requests this front has in flight on the worker
     local_pending_prefill: int = 0  # prompt tokens this front sent that have not produced a token
+    local_pending_requests: int = 0  # the requests those tokens belong to
     local_decode_left: int = 0  # output tokens this front's requests decoding there may still produce
     sole_front: bool = True  # no other front sends work: the local counts are the whole truth
     num_running: int = 0
@@ -111,6 +112,14 @@ class WorkerLoad:
         if self.sole_front:
             return self.local_pending_prefill
         return max(self.reported_pending_prefill, self.local_pending_prefill)
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests whose prompts make up ``pending_prefill``, by the same rule (the worker's
+        report: those waiting for a step)."""
+        if self.sole_front:
+            return self.local_pending_requests
+        return max(self.num_waiting, self.local_pending_requests)
 
     @property
     def decode_tokens_left(self) -> int | None:

@@ -18,7 +18,9 @@ per sequence, times the weight.
 ``work_weight`` prices the delay a prefill inflicts on the requests that will queue behind it: a
 request's own TTFT alone would send a prompt to an idle worker that must compute it all rather
 than to a holder of its prefix that is busy for about as long, and the cold copy costs every later
-arrival there. Each uncached token's compute counts once more, times the weight.
+arrival there. Each uncached token's compute counts once more, times the weight. So does the time
+its tokens add to the step it shares with prompts already waiting there, once per such request
+(``joined``): a long prompt sent where short tails queue holds each of them for its whole step.
 ``evict_weight`` prices the cached prefixes a request pushes out of a full cache: the blocks it
 needs beyond the worker's empty room evict cached ones, each worth its prefill again should its
 prefix come back. Among workers that hold nothing of a prompt, that sends a new prefix where it
@@ -199,11 +201,38 @@ class CostModel:
         return 0.0
 
     def work_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
-        """What prefilling the uncached part here costs the requests that arrive after it."""
+        """What prefilling the uncached part here costs other requests: those that arrive after it
+        (its compute once more), and those queued there whose step it joins (``joined``)."""
         if self.work_weight == 0:
             return 0.0
         f = self._fit(worker, "prefill", pool, PRIOR_PREFILL)
-        return self.work_weight * f.per_unit * request.uncached(matched_blocks)
+        tokens = request.uncached(matched_blocks)
+        queued, added = self.joined(worker, tokens)
+        return self.work_weight * f.per_unit * (tokens + queued * added)
+
+    @staticmethod
+    def joined(worker: Any, tokens: int) -> tuple[float, int]:
+        """(the requests queued on ``worker`` whose step a prompt of ``tokens`` uncached tokens
+        joins, the tokens it adds to that step).
+
+        A step takes the waiting prompts first come first served up to its token budget, so a new
+        prompt shares the step of the queue's last ``pending % budget`` tokens, and each of their
+        requests gets its first token only when the step ends: a 1k-token prompt sent where five
+        32-token tails wait makes all six take its time. Where the queue's tokens fill whole steps
+        it starts one of its own. The requests are counted in proportion to the tokens (those of a
+        step in flight, which it does not delay, are not told apart).
+        """
+        load = worker.load
+        pending, waiting = max(load.pending_prefill, 0), max(load.pending_requests, 0)
+        if pending == 0 or waiting == 0:
+            return 0.0, 0
+        budget = load.step_token_budget
+        if budget <= 0:  # not reported: one step takes it all
+            return float(waiting), tokens
+        ahead = pending % budget
+        if ahead == 0:
+            return 0.0, 0
+        return waiting * ahead / pending, min(tokens, budget - ahead)
 
     def stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         """What prefilling here costs the sequences already decoding on ``worker``."""

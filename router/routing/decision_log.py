@@ -59,8 +59,8 @@ def _worker_view(worker: Any, candidates: Candidates) -> dict[str, Any]:
     load = worker.load
     return {"id": worker.worker_id, "role": worker.role, "matched": candidates.matched(worker),
             "cached": candidates.cached(worker), "stale": worker.worker_id in candidates.stale,
-            "pending_prefill": load.pending_prefill, "running": load.running,
-            "decode_left": load.decode_tokens_left,
+            "pending_prefill": load.pending_prefill, "pending_requests": load.pending_requests,
+            "running": load.running, "decode_left": load.decode_tokens_left,
             "free_blocks": load.num_free_blocks, "demand": round(load.demand, 4),
             # the worker's own fits ([s a step, s a unit], None: unmeasured): the step fit's term where
             # it has one, else the interval fit; ``cost`` pools them over workers of one hardware (and role)

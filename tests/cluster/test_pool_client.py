@@ -115,7 +115,7 @@ def test_both_samples_of_a_failed_shipment_resume_even_when_their_failures_arriv
         await pool.start(stats_interval_s=0.05)
         try:
             got = await asyncio.wait_for(_collect(pool, SamplingParams(n=2, max_tokens=4, seed=1)), 10)
-            left = [w.load.local_decode_left for w in pool.workers.values()]
+            left = [(w.load.local_decode_left, w.load.local_pending_requests) for w in pool.workers.values()]
             return got, pool.migrations_total, worker.added, left
         finally:
             await pool.stop()
@@ -123,7 +123,7 @@ def test_both_samples_of_a_failed_shipment_resume_even_when_their_failures_arriv
     (toks, reasons), migrations, added, left = asyncio.run(main())
     assert toks == FULL and reasons == {0: "length", 1: "length"}
     assert migrations == 1
-    assert left == [0, 0]  # the tokens-left count came through the migration whole
+    assert left == [(0, 0), (0, 0)]  # the tokens-left and pending counts came through the migration whole
     # one migration placed each sample alone, resuming from its first token
     assert sorted((r["index"], r["output_token_ids"]) for _, r in added[1:]) == [(0, [11]), (1, [21])]
 
@@ -206,6 +206,35 @@ def test_the_decode_worker_s_tokens_left_follow_each_sample_and_end_at_zero():
     # 11 from the prefill worker, 12 from the decode worker, 13 ends the sample 3 tokens short
     assert seen == [(1, 5), (1, 4), (1, 0)]
     assert pool.workers["prefill-0"].load.local_decode_left == 0
+
+
+def test_the_prefill_worker_s_pending_requests_count_until_the_first_token():
+    """The front's count of requests waiting for their prompt on a worker (what the cost model
+    prices a long prompt joining their step by): one at placement, none once the first token is
+    out, however the request then ends."""
+    decode = ScriptedWorker(lambda *a: [])
+    handoff = _handoff(decode, [12, 13])
+    at_add: list[int] = []
+
+    def script(wire_id, params, resume):
+        at_add.append(pool.workers["prefill-0"].load.local_pending_requests)
+        return handoff(wire_id, params, resume)
+
+    pool, _ = _pool(script, decode)
+    seen: list[int] = []
+
+    async def main():
+        await pool.start(stats_interval_s=0.05)
+        try:
+            async for _ in pool.generate("r", [1, 2, 3], SamplingParams(max_tokens=3)):
+                seen.append(pool.workers["prefill-0"].load.local_pending_requests)
+        finally:
+            await pool.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert at_add == [1]  # counted while the prompt is on the worker
+    assert seen == [0, 0, 0]  # and no longer once its first token is out
+    assert [w.load.local_pending_requests for w in pool.workers.values()] == [0, 0]
 
 
 def test_the_decision_log_pairs_each_routed_request_with_its_measured_ttft(tmp_path):

@@ -55,6 +55,7 @@ def test_a_cost_decision_is_logged_with_every_option_and_worker_and_read_back_as
     assert chosen[0] == "p1" and chosen[3] == d["estimated_ttft_s"]
     views = {w["id"]: w for w in d["workers"]}
     assert views["p0"]["matched"] == 63 and views["p0"]["pending_prefill"] == 8000
+    assert views["p0"]["pending_requests"] == 0
     assert views["p0"]["prefill_fit"] == [0.005, 1 / 2000]  # the interval fit: no step moments came
     assert views["p0"]["step_fit"][3:] == [False, False]
 

@@ -406,6 +406,51 @@ def test_a_holder_one_prefill_deep_keeps_its_prefix_rather_than_a_cold_copy_bein
     assert pol.route(_request(), Candidates(p, d, {"p0": 63})).first.worker_id == "p1"
 
 
+def _queued(worker: Fake, requests: int, budget: int = 1024) -> Fake:
+    worker.load.num_waiting, worker.load.step_token_budget = requests, budget
+    return worker
+
+
+def test_a_prompt_joins_the_step_of_the_queue_s_last_tokens() -> None:
+    joined = CostModel.joined
+    # five 32-token tails wait: a 544-token prompt shares their step, all its tokens
+    assert joined(_queued(_worker("p", pending=160), 5), 544) == (5.0, 544)
+    # only what is left of the step's budget joins it
+    assert joined(_queued(_worker("p", pending=160), 5), 2000) == (5.0, 864)
+    # a queue of whole steps and more: the step it shares holds the last 160 tokens' share of requests
+    queued, added = joined(_queued(_worker("p", pending=1024 + 160), 6), 544)
+    assert queued == pytest.approx(6 * 160 / 1184) and added == 544
+    # a queue of exactly whole steps: it starts one of its own
+    assert joined(_queued(_worker("p", pending=2048), 4), 544) == (0.0, 0)
+    # nothing queued, or no budget reported (then one step takes all)
+    assert joined(_worker("p"), 544) == (0.0, 0)
+    assert joined(_queued(_worker("p", pending=160), 5, budget=0), 544) == (5.0, 544)
+    # the sole front's own count of requests waiting for their first token
+    load = WorkerLoad(local_pending_prefill=64, local_pending_requests=2, num_waiting=9, step_token_budget=1024)
+    assert joined(Fake("p", load=load), 100) == (2.0, 100)
+
+
+def test_a_long_prompt_goes_where_it_holds_up_fewest_queued_tails() -> None:
+    # Seen on 2P+2D at 6.48 req/s (decision 242 of seed 2): p1 held half of a cold prompt's prefix
+    # and had five hot 32-token tails waiting; the prompt's 544 tokens joined their step, and all
+    # six got their first token 1.5-1.7 s later (0.17-0.38 s estimated for the tails). p0 holds
+    # nothing of it and has one tail waiting.
+    def pools() -> tuple[list[Fake], list[Fake]]:
+        p = [_queued(_worker("p0", pending=32, prefill=(0.02, 0.0014)), 1),
+             _queued(_worker("p1", pending=160, prefill=(0.02, 0.0014)), 5)]
+        return p, [_worker("d0", "decode"), _worker("d1", "decode")]
+
+    request, held = _request(1056), {"p1": 32}
+    pol = make_policy("cost", seed=0)
+    assert pol.route(request, Candidates(*pools(), held)).first.worker_id == "p0"
+    p, d = pools()
+    for w in p:
+        w.load.num_waiting = 0  # the queue's requests unseen: their tokens alone do not decide it
+    assert pol.route(request, Candidates(p, d, held)).first.worker_id == "p1"
+    # a short tail of a held prefix still joins the holder's queue
+    assert pol.route(request, Candidates(*pools(), {"p1": 64})).first.worker_id == "p1"
+
+
 # ---------------------------------------------------------------------- cost, on cores shared on a board
 def _on_board(workers: list[Fake], cores: int = 2, board: str = "node:/dev/shm/baton-cores-x") -> list[Fake]:
     for w in workers:
