@@ -62,8 +62,9 @@ def _router_view(registry: Any, policy: str) -> dict[str, Any]:
 
 
 def _worker_view(registry: Any) -> dict[str, Any]:
-    """Prompt tokens computed and cached blocks evicted, per worker: the prefill a policy spends
-    again on prefixes it let go cold, which a hit rate over all requests hides; and each worker's
+    """Prompt tokens computed, cached blocks evicted and requests preempted, per worker: the
+    prefill a policy spends again on prefixes it let go cold (or on KV it crowded out), which a
+    hit rate over all requests hides; and each worker's
     share of the tokens decoded, which shows a policy piling the decoding onto few workers."""
     out: dict[str, dict[str, float]] = {}
     for family in registry.collect():
@@ -72,6 +73,8 @@ def _worker_view(registry: Any) -> dict[str, Any]:
                 out.setdefault(s.labels["worker"], {})[f"{s.labels['kind']}_tokens"] = s.value
             elif s.name == "baton:prefix_cache_evicted_blocks_total":
                 out.setdefault(s.labels["worker"], {})["evicted_blocks"] = s.value
+            elif s.name == "baton:num_preemptions_total":  # a preempted request computes its prompt again
+                out.setdefault(s.labels["worker"], {})["preemptions"] = s.value
     return {"workers": out,
             "prefill_tokens_computed": sum(w.get("prefill_tokens", 0) for w in out.values()),
             "evicted_blocks": sum(w.get("evicted_blocks", 0) for w in out.values()),
