@@ -111,7 +111,8 @@ def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, s
 
     config = ClusterConfig.model_validate({
         "engine": {"dtype": args.dtype, "threads_per_worker": args.threads_per_worker,
-                   "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_batched_tokens": 1024},
+                   "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_batched_tokens": 1024,
+                   "long_prefill_token_threshold": args.long_prefill_token_threshold},
         "pools": LAYOUTS[layout], "router": {**policy_config(policy), "decision_log": decision_log},
         "ray": {"num_cpus": os.cpu_count()},
     })
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads-per-worker", type=int, default=1)
     ap.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                    help="the most tokens of one prompt a worker's step computes (unset: the step's 1024)")
     ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)

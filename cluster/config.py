@@ -27,6 +27,10 @@ class EngineSection(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1, description="the most tokens of one prompt a step computes (vLLM's name; unset: the "
+        "step's budget): a long prompt then takes several steps, and the short prompts and decodes "
+        "sharing them wait for a chunk rather than for the whole prompt")
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority", "fair"] = Field(
         "fair", description="the workers' waiting queues: fcfs; priority (lower first, with aging); fair: "

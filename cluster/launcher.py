@@ -142,6 +142,17 @@ def gpus_per_worker(config: ClusterConfig) -> float:
     return 1.0 if have >= workers else math.floor(100 * have / workers) / 100
 
 
+def worker_engine_kwargs(config: ClusterConfig) -> dict[str, Any]:
+    """The ``[engine]`` section as a Worker's engine arguments, in the engine's own names."""
+    eng = config.engine
+    kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait", "scheduling_policy",
+                                     "long_prefill_token_threshold"})
+    kwargs["policy"] = eng.scheduling_policy
+    if eng.long_prefill_token_threshold is not None:
+        kwargs["max_prefill_chunk"] = eng.long_prefill_token_threshold
+    return kwargs
+
+
 def gpu_memory_share(config: ClusterConfig) -> float:
     """Each worker's ``gpu_memory_utilization``: the configured share of a GPU, times the part of
     the GPU the worker gets when workers share one."""
@@ -208,9 +219,7 @@ class Cluster:
 
         from workers.actor.worker import Worker
 
-        eng = self.config.engine
-        engine_kwargs = eng.model_dump(exclude={"threads_per_worker", "openmp_wait", "scheduling_policy"})
-        engine_kwargs["policy"] = eng.scheduling_policy  # SchedulerConfig's name for it
+        engine_kwargs = worker_engine_kwargs(self.config)
         threads = worker_threads(self.config)
         roles = self.roles()
         mode, omp_env = openmp_plan(self.config, len(roles))  # config errors before Ray starts

@@ -41,6 +41,7 @@ class WorkerLoad:
     num_blocks: int = 0
     reported_pending_prefill: int = 0
     step_token_budget: int = 0  # tokens one step computes at most (0: not reported)
+    prefill_chunk: int = 0  # tokens of one prompt a step computes at most (0: no cap below the budget)
     prefill: LinearCost = field(default_factory=LinearCost)
     decode: LinearCost = field(default_factory=lambda: LinearCost(fallback="fixed"))
     ship: LinearCost = field(default_factory=lambda: LinearCost(min_units=1024.0))
@@ -66,6 +67,7 @@ class WorkerLoad:
         self.num_blocks = int(stats.get("num_blocks", 0))
         self.reported_pending_prefill = int(stats.get("pending_prefill_tokens", 0))
         self.step_token_budget = int(stats.get("step_token_budget", 0))
+        self.prefill_chunk = int(stats.get("prefill_chunk", 0))
         prefill_s = float(stats.get("prefill_seconds", 0.0))
         self.prefill.observe(stats.get("num_prefill_steps", 0), stats.get("num_prefill_tokens_computed", 0),
                              prefill_s)

@@ -176,6 +176,8 @@ class CostModel:
         per_seq = df.per_unit if df.per_unit > 0 else self._fit(worker, "prefill", pool, PRIOR_PREFILL).per_unit
         pending = max(load.pending_prefill, 0)
         steps = math.ceil((pending + tokens) / load.step_token_budget) if load.step_token_budget > 0 else 1
+        if load.prefill_chunk > 0:  # a prompt longer than a chunk takes a step a chunk
+            steps = max(steps, math.ceil(tokens / load.prefill_chunk))
         in_flight = 0.0 if pending else 0.5 * (df.fixed + df.per_unit * running)
         return steps * per_seq * running + in_flight
 
@@ -218,7 +220,8 @@ class CostModel:
         A step takes the waiting prompts first come first served up to its token budget, so a new
         prompt shares the step of the queue's last ``pending % budget`` tokens, and each of their
         requests gets its first token only when the step ends: a 1k-token prompt sent where five
-        32-token tails wait makes all six take its time. Where the queue's tokens fill whole steps
+        32-token tails wait makes all six take its time (its first chunk's, where the worker caps
+        a prompt's tokens in a step: ``prefill_chunk``). Where the queue's tokens fill whole steps
         it starts one of its own. The requests are counted in proportion to the tokens (those of a
         step in flight, which it does not delay, are not told apart).
         """
@@ -227,12 +230,13 @@ class CostModel:
         if pending == 0 or waiting == 0:
             return 0.0, 0
         budget = load.step_token_budget
+        chunk = load.prefill_chunk if load.prefill_chunk > 0 else tokens
         if budget <= 0:  # not reported: one step takes it all
-            return float(waiting), tokens
+            return float(waiting), min(tokens, chunk)
         ahead = pending % budget
         if ahead == 0:
             return 0.0, 0
-        return waiting * ahead / pending, min(tokens, budget - ahead)
+        return waiting * ahead / pending, min(tokens, budget - ahead, chunk)
 
     def stall_s(self, worker: Any, request: RouteRequest, matched_blocks: int, pool: list[Any]) -> float:
         """What prefilling here costs the sequences already decoding on ``worker``."""

@@ -208,3 +208,20 @@ def test_workers_outnumbering_the_gpus_share_them_and_their_memory(monkeypatch):
 def test_device_settings_are_checked(section, values, match):
     with pytest.raises(ValueError, match=match):
         ClusterConfig.model_validate({section: values})
+
+
+def test_the_engine_section_reaches_workers_in_the_engine_s_own_names():
+    from workers.engine.config import SchedulerConfig
+
+    config = ClusterConfig.model_validate({"engine": {"long_prefill_token_threshold": 256,
+                                                      "scheduling_policy": "fcfs"}})
+    kwargs = launcher.worker_engine_kwargs(config)
+    assert kwargs["max_prefill_chunk"] == 256 and kwargs["policy"] == "fcfs"
+    assert not {"long_prefill_token_threshold", "scheduling_policy", "threads_per_worker"} & set(kwargs)
+    # what a Worker passes on to its scheduler
+    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in SchedulerConfig.__dataclass_fields__})
+    assert sched.max_prefill_chunk == 256
+    # unset, the scheduler's own default (no cap below the step's budget) stands
+    assert "max_prefill_chunk" not in launcher.worker_engine_kwargs(ClusterConfig())
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        ClusterConfig.model_validate({"engine": {"long_prefill_token_threshold": 0}})

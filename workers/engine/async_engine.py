@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.actor.core_share import CoreShare
+from workers.engine.config import SchedulerConfig
 from workers.engine.core import EngineCore
 from workers.engine.outputs import TokenDelta
 from workers.sampling.params import SamplingParams
@@ -54,6 +55,7 @@ class EngineStats:
     num_evicted_blocks: int = 0  # cached blocks evicted for reuse
     step_moments: list[float] = field(default_factory=list)  # EngineCore.step_moments, for routers' fits
     step_token_budget: int = 0  # max_num_batched_tokens: how many steps a queue of prompts takes
+    prefill_chunk: int = 0  # max_prefill_chunk: the most tokens of one prompt in a step (0: no cap)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -162,7 +164,8 @@ class AsyncEngine:
                            e.num_decode_tokens_computed, e.prefill_seconds, e.pending_prefill_tokens,
                            e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq,
                            num_evicted_blocks=bm.num_evicted_blocks, step_moments=list(e.step_moments),
-                           step_token_budget=e.scheduler.config.max_num_batched_tokens)
+                           step_token_budget=e.scheduler.config.max_num_batched_tokens,
+                           prefill_chunk=_chunk(e.scheduler.config))
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""
@@ -283,6 +286,11 @@ class AsyncEngine:
                 done.add(d.request_id)  # forget only after this step: other samples may finish too
         for rid in done:
             self._streams.pop(rid, None)
+
+
+def _chunk(config: SchedulerConfig) -> int:
+    # a cap of the step's budget or more caps nothing beyond what the budget does
+    return config.max_prefill_chunk if config.max_prefill_chunk < config.max_num_batched_tokens else 0
 
 
 def all_finished(engine: EngineCore, request_id: str) -> bool:

@@ -639,12 +639,29 @@ def test_a_local_prefill_s_ttft_counts_the_decodes_its_steps_carry_and_the_step_
     assert m.decoding_s(w, 40, [w]) == pytest.approx(3 * 10 / 2000)
     # a prefill worker's requests in flight wait for their shipment, not for decodes
     assert m.decoding_s(_worker("p0", running=10), 40, [w]) == 0.0
+    # a prompt capped at 16 tokens a step takes a step a chunk: 3 for 40 tokens, as the queue does
+    w.load.prefill_chunk = 16
+    assert m.decoding_s(w, 40, [w]) == pytest.approx(3 * 10 / 2000)
+    # and 7 for 100 tokens on an empty queue (after half the decode step in flight)
+    w.load.reported_pending_prefill = 0
+    assert m.decoding_s(w, 100, [w]) == pytest.approx(7 * 10 / 2000 + 0.5 * 0.03)
 
 
-def test_a_worker_reports_its_step_token_budget() -> None:
+def test_a_worker_reports_its_step_token_budget_and_prefill_chunk() -> None:
     load = WorkerLoad()
-    load.update({"step_token_budget": 2048})
-    assert load.step_token_budget == 2048
+    load.update({"step_token_budget": 2048, "prefill_chunk": 256})
+    assert load.step_token_budget == 2048 and load.prefill_chunk == 256
+    load.update({"step_token_budget": 2048})  # an older worker: no cap
+    assert load.prefill_chunk == 0
+
+
+def test_a_prompt_capped_to_a_chunk_a_step_holds_the_queue_for_its_first_chunk_only() -> None:
+    w = _queued(_worker("p", pending=160), 5)
+    w.load.prefill_chunk = 256
+    assert CostModel.joined(w, 544) == (5.0, 256)
+    assert CostModel.joined(w, 100) == (5.0, 100)
+    w.load.step_token_budget = 0
+    assert CostModel.joined(w, 544) == (5.0, 256)
 
 
 def _step_moments(seed: int, overhead: float, n: int = 40) -> list[float]:

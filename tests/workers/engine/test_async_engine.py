@@ -45,6 +45,7 @@ def test_concurrent_streams_match_offline_generation(async_engine):
     assert eng.stats().num_free_blocks == NUM_BLOCKS
     # routers count the steps a queue of prompts takes by the budget
     assert eng.stats().step_token_budget == llm.engine.config.scheduler.max_num_batched_tokens > 0
+    assert eng.stats().prefill_chunk == 0  # no cap on a prompt's tokens below that budget
 
 
 def test_cancelling_a_stream_aborts_and_frees_blocks(async_engine):

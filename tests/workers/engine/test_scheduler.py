@@ -181,3 +181,23 @@ def test_random_workloads_respect_limits_and_never_leak(prompts, num_blocks, bud
     assert host is None or host.num_free == swap_blocks
     for r in reqs:
         assert sched.finish(r, RequestStatus.FINISHED_ABORTED) is False  # reclaim is idempotent
+
+
+def test_a_long_prompt_takes_a_chunk_a_step_and_short_ones_finish_beside_its_first():
+    """``max_prefill_chunk`` (vLLM's long_prefill_token_threshold): the short prompts queued with a
+    long one sample in the step of its first chunk instead of waiting for the whole of it."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=16), bm)
+    long, short = _req("long", 40, 2), _req("short", 8, 2, base=200)
+    sched.add_request(long)
+    sched.add_request(short)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.prefills] == [("long", 16), ("short", 8)]
+    assert [s.request.request_id for s in out.scheduled if s.samples] == ["short"]
+    _advance(sched, out)
+    chunks = [16]
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = sched.schedule()
+        chunks += [s.num_new_tokens for s in out.prefills if s.request is long]
+        _advance(sched, out)
+    assert chunks == [16, 16, 8]
