@@ -9,6 +9,7 @@ import pytest
 
 from workers import LLM, SamplingParams
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import SchedulerConfig
 from workers.errors import InvalidRequestError
 
 NUM_BLOCKS = 64
@@ -268,3 +269,11 @@ def test_a_loop_that_goes_idle_ends_its_team_once(tiny_model_dir):
         assert steps >= 3 and share.team_ends == [len(events)]  # once, after the last step's turn
     finally:
         eng.shutdown()
+
+
+def test_the_prefill_chunk_reported_is_a_cap_below_the_step_s_budget_or_none():
+    from workers.engine.async_engine import _chunk
+
+    assert _chunk(SchedulerConfig(max_num_batched_tokens=1024, max_prefill_chunk=256)) == 256
+    assert _chunk(SchedulerConfig(max_num_batched_tokens=1024, max_prefill_chunk=1024)) == 0
+    assert _chunk(SchedulerConfig(max_num_batched_tokens=1024)) == 0
