@@ -37,6 +37,7 @@ def test_a_cost_decision_is_logged_with_every_option_and_worker_and_read_back_as
     log = DecisionLog(str(log_path), "front-x")
     policy = make_policy("cost", seed=0)
     hot, cold, dec = _worker("p0", pending=8000), _worker("p1"), _worker("d0", "decode")
+    hot.load.num_waiting = 5  # the requests its queue holds, as the worker reports them
     candidates = Candidates([hot, cold], [dec], {"p0": 63}, cached_blocks={"p0": 63})
     decision = policy.route(_request(), candidates)
     assert decision.first is cold and decision.reason == "hotspot_avoided"
@@ -55,7 +56,7 @@ def test_a_cost_decision_is_logged_with_every_option_and_worker_and_read_back_as
     assert chosen[0] == "p1" and chosen[3] == d["estimated_ttft_s"]
     views = {w["id"]: w for w in d["workers"]}
     assert views["p0"]["matched"] == 63 and views["p0"]["pending_prefill"] == 8000
-    assert views["p0"]["pending_requests"] == 0
+    assert views["p0"]["pending_requests"] == 5 and views["p1"]["pending_requests"] == 0
     assert views["p0"]["prefill_fit"] == [0.005, 1 / 2000]  # the interval fit: no step moments came
     assert views["p0"]["step_fit"][3:] == [False, False]
 
