@@ -161,13 +161,18 @@ def _tokens_fitting(free_blocks: int, max_tokens: int, need: Callable[[int], int
 
 
 @dataclass(order=True)
-class _Waiter:
+class Waiter:
+    """A demand queued for KV room, in priority then arrival order. ``admitted(outcome)`` or
+    ``failed(error)`` is called once when it leaves the queue other than by ``dequeue``."""
+
     priority: int
     seq: int
     demand: KVDemand = field(compare=False)
     allowed: Callable[[], list[str]] = field(compare=False)
     preferred: Callable[[], str | None] = field(compare=False)
-    future: asyncio.Future = field(compare=False)
+    admitted: Callable[[Outcome], None] = field(compare=False)
+    failed: Callable[[BaseException], None] = field(compare=False)
+    done: bool = field(default=False, compare=False)
 
 
 class KVAdmission:
@@ -196,7 +201,7 @@ class KVAdmission:
         self._tenant_admitted: dict[str, int] = {}
         self._held: dict[str, tuple[str, int, str]] = {}  # request id -> (worker, blocks, tenant)
         self._share = share
-        self._waiters: list[_Waiter] = []
+        self._waiters: list[Waiter] = []
         self._seq = itertools.count()
         self._clock = clock
         self.on_queue, self.on_ledger, self.on_reject = on_queue, on_ledger, on_reject
@@ -221,12 +226,11 @@ class KVAdmission:
         return demand.prefix_hashes[:demand.prompt_tokens // self.block_size]
 
     # ------------------------------------------------------------------ reserve / release
-    async def reserve(self, demand: KVDemand, allowed: Callable[[], list[str]],
-                      preferred: Callable[[], str | None]) -> Reservation:
-        """Hold blocks for ``demand`` on one of ``allowed()`` (``preferred()`` first), waiting in the
-        queue when nothing fits; raises ``AdmissionError`` (429, or 503 when no worker is left)."""
-        started = self._clock()
-        outcome = self._decide(demand, allowed(), preferred())
+    def try_reserve(self, demand: KVDemand, allowed: list[str], preferred: str | None) -> Reservation | None:
+        """Hold blocks for ``demand`` on one of ``allowed`` (``preferred`` first) now, or None when it
+        must queue (``enqueue``); raises ``AdmissionError`` (429) when it is refused or the queue
+        of its class is full. Synchronous: the simulator calls it as the live front does."""
+        outcome = self._decide(demand, allowed, preferred)
         if outcome.action == "admit":
             return self._hold(demand, outcome, 0.0)
         depth = sum(1 for w in self._waiters if w.priority == demand.priority)
@@ -234,27 +238,57 @@ class KVAdmission:
             raise self._reject(AdmissionError(429, "no worker has KV room for this request and the queue is "
                                               "full", "kv_queue_full", retry_after_s=self.retry_after_s(demand),
                                               tenant=demand.tenant.name))
-        waiter = _Waiter(demand.priority, next(self._seq), demand, allowed, preferred,
-                         asyncio.get_running_loop().create_future())
+        return None
+
+    def enqueue(self, demand: KVDemand, allowed: Callable[[], list[str]], preferred: Callable[[], str | None],
+                admitted: Callable[[Outcome], None], failed: Callable[[BaseException], None]) -> Waiter:
+        """Queue a demand ``try_reserve`` could not place: ``wake`` reserves its blocks once the head
+        of the queue fits, then calls ``admitted`` (``collect`` turns that into a Reservation)."""
+        waiter = Waiter(demand.priority, next(self._seq), demand, allowed, preferred, admitted, failed)
         heapq.heappush(self._waiters, waiter)
         self._report_queue()
+        return waiter
+
+    def dequeue(self, waiter: Waiter) -> None:
+        """Take a waiter off the queue (its deadline passed, or its caller went away); no callback."""
+        waiter.done = True
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+            heapq.heapify(self._waiters)
+            self._report_queue()
+
+    def timed_out(self, demand: KVDemand, allowed: list[str]) -> AdmissionError:
+        """The error for a demand whose queue deadline passed: 503 when no worker is left, else 429."""
+        if not allowed:
+            return self._reject(AdmissionError(503, "no worker is alive", "no_workers", retry_after_s=5.0,
+                                               tenant=demand.tenant.name))
+        return self._reject(AdmissionError(
+            429, f"queued {self.queue_timeout_s:.0f}s without KV room", "queue_deadline",
+            retry_after_s=self.retry_after_s(demand), tenant=demand.tenant.name))
+
+    def collect(self, demand: KVDemand, outcome: Outcome, waited_s: float) -> Reservation:
+        """The reservation ``wake`` made for a queued demand (its ``admitted`` outcome)."""
+        return self._hold(demand, outcome, waited_s)
+
+    async def reserve(self, demand: KVDemand, allowed: Callable[[], list[str]],
+                      preferred: Callable[[], str | None]) -> Reservation:
+        """Hold blocks for ``demand`` on one of ``allowed()`` (``preferred()`` first), waiting in the
+        queue when nothing fits; raises ``AdmissionError`` (429, or 503 when no worker is left)."""
+        started = self._clock()
+        held = self.try_reserve(demand, allowed(), preferred())
+        if held is not None:
+            return held
+        future = asyncio.get_running_loop().create_future()
+        waiter = self.enqueue(demand, allowed, preferred, future.set_result, future.set_exception)
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
+            outcome = await asyncio.wait_for(asyncio.shield(future), self.queue_timeout_s)
         except asyncio.TimeoutError:
-            if waiter.future.done() and not waiter.future.cancelled():  # admitted as the deadline fell
-                return self._hold(demand, waiter.future.result(), self._clock() - started)
-            if not allowed():
-                raise self._reject(AdmissionError(503, "no worker is alive", "no_workers", retry_after_s=5.0,
-                                                  tenant=demand.tenant.name)) from None
-            raise self._reject(AdmissionError(
-                429, f"queued {self.queue_timeout_s:.0f}s without KV room", "queue_deadline",
-                retry_after_s=self.retry_after_s(demand), tenant=demand.tenant.name)) from None
+            if future.done() and not future.cancelled():  # admitted as the deadline fell
+                return self.collect(demand, future.result(), self._clock() - started)
+            raise self.timed_out(demand, allowed()) from None
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-                heapq.heapify(self._waiters)
-                self._report_queue()
-        return self._hold(demand, outcome, self._clock() - started)
+            self.dequeue(waiter)
+        return self.collect(demand, outcome, self._clock() - started)
 
     def release(self, request_id: str) -> int:
         """Drop ``request_id``'s reservation (a repeat call frees nothing) and admit what now fits."""
@@ -274,7 +308,7 @@ class KVAdmission:
         """Admit queued demands in priority order while the head fits (also after membership changes)."""
         while self._waiters:
             head = self._waiters[0]
-            if head.future.done():
+            if head.done:
                 heapq.heappop(self._waiters)
                 continue
             allowed = head.allowed()
@@ -286,15 +320,17 @@ class KVAdmission:
             heapq.heappop(self._waiters)
             # Reserve now, before the waiter's task runs, so a second wake cannot give the blocks twice.
             self._hold(head.demand, outcome, 0.0)
-            head.future.set_result(Outcome("held", outcome.worker_id, outcome.max_tokens, outcome.n))
+            head.done = True
+            head.admitted(Outcome("held", outcome.worker_id, outcome.max_tokens, outcome.n))
         self._report_queue()
 
     def fail_waiting(self, error: BaseException) -> int:
         """End every queued demand with ``error`` (drain); returns how many were waiting."""
         count = 0
         for w in self._waiters:
-            if not w.future.done():
-                w.future.set_exception(error)
+            if not w.done:
+                w.done = True
+                w.failed(error)
                 count += 1
         self._waiters.clear()
         self._report_queue()
@@ -370,7 +406,7 @@ class KVAdmission:
     def queue_depths(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for w in self._waiters:
-            if not w.future.done():
+            if not w.done:
                 out[w.priority] = out.get(w.priority, 0) + 1
         return out
 

@@ -242,3 +242,36 @@ def test_ledger_never_oversubscribes_and_every_hold_is_released_once(ops):
         assert not kv._tenant_blocks.get("t") and not kv._tenant_admitted.get("t")
 
     asyncio.run(run())
+
+
+def test_the_synchronous_api_admits_queues_and_wakes_without_an_event_loop():
+    """``try_reserve`` / ``enqueue`` / ``collect``: what the simulator calls on its virtual clock, and
+    what ``reserve`` is built on. A demand that does not fit queues; a release admits it, in order."""
+    now = [0.0]
+    kv = KVAdmission({"w": 4}, block_size=16, clock=lambda: now[0], max_queued_per_class=1)
+    first = kv.try_reserve(demand("a", 32, 32), ["w"], "w")
+    assert first is not None and first.worker_id == "w" and first.blocks == 4
+    assert kv.try_reserve(demand("b", 32, 32), ["w"], "w") is None  # full: it must queue
+    got: list = []
+    waiter = kv.enqueue(demand("b", 32, 32), lambda: ["w"], lambda: "w", got.append, got.append)
+    assert kv.queue_depths() == {0: 1}
+    with pytest.raises(AdmissionError) as full:  # the class's queue holds one
+        kv.try_reserve(demand("c", 32, 32), ["w"], "w")
+    assert full.value.status == 429 and full.value.reason == "kv_queue_full"
+    now[0] = 2.5
+    kv.release("a")
+    assert waiter.done and len(got) == 1 and got[0].action == "held"
+    held = kv.collect(demand("b", 32, 32), got[0], now[0])
+    assert held.worker_id == "w" and held.blocks == 4 and held.queued_s == 2.5
+    assert kv.ledgers["w"].reserved_blocks == 4 and kv.queue_depths() == {}
+    assert kv.timed_out(demand("d"), []).status == 503 and kv.timed_out(demand("d"), ["w"]).status == 429
+
+
+def test_a_dequeued_waiter_is_never_admitted():
+    kv = KVAdmission({"w": 4}, block_size=16)
+    kv.try_reserve(demand("a", 32, 32), ["w"], "w")
+    got: list = []
+    waiter = kv.enqueue(demand("b", 32, 32), lambda: ["w"], lambda: "w", got.append, got.append)
+    kv.dequeue(waiter)
+    kv.release("a")
+    assert got == [] and kv.ledgers["w"].reserved_blocks == 0
