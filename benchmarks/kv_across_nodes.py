@@ -33,8 +33,8 @@ def _inner(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from cluster.config import ClusterConfig
+    from cluster.front import PoolClient
     from cluster.launcher import Cluster
-    from cluster.pool_client import PoolClient
     from workers.sampling.params import SamplingParams
 
     config = ClusterConfig.model_validate({

@@ -119,8 +119,8 @@ async def _injection(pool: Any, prompts: list[list[int]], want: list[list[int]],
 
 
 def scenario(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    from cluster.front import PoolClient
     from cluster.launcher import Cluster
-    from cluster.pool_client import PoolClient
     from router.routing import make_policy
     from workers import LLM, SamplingParams
 
@@ -165,8 +165,8 @@ def scenario(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    from cluster.front import PoolClient
     from cluster.launcher import Cluster
-    from cluster.pool_client import PoolClient
     from router.routing import make_policy
     from workers import SamplingParams
     from workers.text.tokenizer import Tokenizer

@@ -217,7 +217,7 @@ class RouterSection(BaseModel):
 
 
 class RecoverySection(BaseModel):
-    """What happens to requests when a worker dies (``cluster.pool_client``)."""
+    """What happens to requests when a worker dies (``cluster.front``)."""
 
     model_config = ConfigDict(extra="forbid")
     max_migrations: int = Field(3, ge=0, description="times a request may move to another worker after the "

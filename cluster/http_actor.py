@@ -11,9 +11,9 @@ from typing import Any
 
 from cluster.admission.front import FrontAdmission, drain
 from cluster.config import RouterSection
+from cluster.front import PoolClient, WorkerRef
 from cluster.metered_client import MeteredClient
 from cluster.metrics import Metrics
-from cluster.pool_client import PoolClient, WorkerRef
 from workers.engine.validation import RequestLimits
 
 log = logging.getLogger("baton.http")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.pool_client import WorkerRef
+from cluster.front.workers import WorkerRef
 from cluster.restarts import WorkerSpec
 from kernels import capabilities
 from workers.actor.core_share import create_board, remove_board

@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.front import PoolClient
 from cluster.http_actor import Front, build_front
 from cluster.launcher import Cluster
 from cluster.metrics import Metrics
-from cluster.pool_client import PoolClient
 
 log = logging.getLogger("baton.serve")
 

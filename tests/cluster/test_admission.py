@@ -132,7 +132,7 @@ def _wait_free(served: Served, timeout_s: float = 20.0) -> None:
 def test_the_front_reads_workers_output_sockets_with_the_deployment_secret(served):
     pool = served.dep.pool
     assert all(w.info["output_secret"] for w in pool.workers.values())
-    assert len(pool._writers) == len(pool.workers)  # connected, not fallen back to polling over Ray
+    assert len(pool.links._writers) == len(pool.workers)  # connected, not fallen back to polling over Ray
 
 
 def test_keys_401_and_admin_only_metrics(served):

@@ -116,7 +116,7 @@ def test_the_defaults_are_the_same_however_the_server_is_started():
 
 
 def test_workers_that_resolved_different_dtypes_are_refused():
-    from cluster.pool_client import WorkerRef
+    from cluster.front.workers import WorkerRef
 
     same = [WorkerRef("prefill-0", "prefill", None, {"dtype": "float32"}),
             WorkerRef("decode-0", "decode", None, {"dtype": "float32"})]
@@ -144,7 +144,7 @@ def test_pool_resources_are_custom_and_positive(resources):
 
 
 def test_workers_that_resolved_different_device_kinds_are_refused():
-    from cluster.pool_client import WorkerRef
+    from cluster.front.workers import WorkerRef
 
     gpus = [WorkerRef("prefill-0", "prefill", None, {"device": "cuda:0"}),
             WorkerRef("decode-0", "decode", None, {"device": "cuda:0"})]

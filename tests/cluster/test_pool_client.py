@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.pool_client import PoolClient, WorkerRef
+from cluster.front import PoolClient, WorkerRef
 from router.routing import make_policy
 from workers.actor.messages import encode_deltas
 from workers.engine.outputs import TokenDelta
@@ -258,7 +258,7 @@ def test_the_decision_log_pairs_each_routed_request_with_its_measured_ttft(tmp_p
     assert (decision["first"], decision["decode"]) == ("prefill-0", "decode-0")
     assert {w["id"] for w in decision["workers"]} == {"prefill-0", "decode-0"}
     assert (ttft["kind"], ttft["id"]) == ("ttft", wire_id) and 0 < ttft["ttft_s"] < 10
-    assert pool.decision_log._fd is None  # stop() closed it
+    assert pool.router.decision_log._fd is None  # stop() closed it
 
 
 @settings(max_examples=200, deadline=None)
@@ -267,7 +267,7 @@ def test_the_decision_log_pairs_each_routed_request_with_its_measured_ttft(tmp_p
 def test_a_samples_deltas_in_any_order_reach_the_caller_in_its_order(case):
     """Whatever order a sample's deltas come in (repeats too), the queue gets each delta once, in
     position order; ends decided outside the engine (position -1) go at once."""
-    from cluster.pool_client import _Stream
+    from cluster.front.streams import Stream as _Stream
 
     k, order, repeats = case
     stream = _Stream(asyncio.Queue(), 1, set(), "w")

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
-from cluster.pool_client import PoolClient
 from router.routing import make_policy
 from workers import LLM, SamplingParams
 
@@ -207,7 +207,7 @@ def test_a_front_that_goes_away_without_aborting_frees_its_requests(disagg, tiny
             await agen.__anext__()
         for task in pool._tasks:
             task.cancel()
-        for writer in pool._writers:
+        for writer in pool.links._writers:
             writer.transport.abort()  # as when its process is killed
         for agen in streams:
             await agen.aclose()

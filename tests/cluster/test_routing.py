@@ -11,9 +11,9 @@ import time
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
 from cluster.metrics import Metrics
-from cluster.pool_client import PoolClient
 from router.routing import Candidates, Decision, RouteRequest, RoutingPolicy, make_policy
 from workers import SamplingParams
 
@@ -74,10 +74,10 @@ async def _index_holds(pool: PoolClient, worker_id: str, prompt: list[int], salt
                        timeout_s: float = 20.0) -> None:
     """Wait until the workers' events have told the index that ``worker_id`` holds ``prompt``'s
     system prompt (a prediction made when it was routed does not count: it may have expired)."""
-    hashes = pool._prompt_hashes(prompt, salt)[:PREFIX_BLOCKS]
+    hashes = pool.router.prompt_hashes(prompt, salt)[:PREFIX_BLOCKS]
     deadline = time.monotonic() + timeout_s
     while True:
-        w = pool.index._workers.get(worker_id)
+        w = pool.router.index._workers.get(worker_id)
         if w is not None and all(h in w.hashes for h in hashes):
             return
         assert time.monotonic() < deadline, f"the index never heard of {worker_id}'s blocks"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from cluster.config import ClusterConfig
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
-from cluster.pool_client import PoolClient
 from workers import LLM, SamplingParams
 
 NUM_BLOCKS = 64

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
-from cluster.pool_client import PoolClient
 from router.routing import make_policy
 from tests.faults.scenario import PARAMS, alive_idle, collect, config
 

@@ -8,8 +8,8 @@ import contextlib
 import random
 import time
 
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
-from cluster.pool_client import PoolClient
 from tests.faults.scenario import alive_idle, collect, config
 from workers import SamplingParams
 

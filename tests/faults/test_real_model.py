@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
-from cluster.pool_client import PoolClient
 from router.routing import make_policy
 from tests.faults.test_worker_death import _batch_with_kill, _busiest
 from workers import LLM, SamplingParams

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from cluster.front import PoolClient
 from cluster.launcher import Cluster
-from cluster.pool_client import PoolClient
 from router.routing import make_policy
 from tests.faults.scenario import PARAMS, alive_idle, collect, config
 from workers import SamplingParams
