@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 import time
@@ -140,27 +139,20 @@ def _plan_result_path(args: argparse.Namespace) -> Path | None:
 
 
 def _cmd_plan_live(args: argparse.Namespace) -> int:
-    from cluster.bench.metrics import parse_goodput
+    from cluster.bench.cli_args import bench_config
     from cluster.bench.plan import parse_ratios, plan_json, plan_layouts, plan_markdown, plot_plan, run_plan
     from cluster.bench.report import write_json
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import LengthDist, WorkloadConfig, WorkloadError
+    from cluster.bench.workload import WorkloadError
     from cluster.config import load_config
 
     try:  # ConfigError and WorkloadError are ValueErrors: every bad option ends here, before Ray starts
         if args.address and args.address.startswith("ray://"):
             raise ValueError("--address: the HTTP front runs on this node's loopback, so run plan live on a "
                              "node of the cluster with --address auto or HOST:PORT, not ray://")
-        if not args.request_rate > 0 or args.num_prompts < 1 or (args.max_concurrency or 1) < 1:
+        if not args.request_rate > 0 or (args.num_prompts or 1) < 1 or (args.max_concurrency or 1) < 1:
             raise ValueError("--request-rate must be positive, --num-prompts and --max-concurrency at least 1")
         layouts = plan_layouts(args.workers, parse_ratios(args.ratios) if args.ratios else None, args.colocated)
-        dist = {"range_ratio": args.random_range_ratio}
-        bench = BenchConfig(
-            workload=WorkloadConfig(input_len=LengthDist(args.random_input_len, **dist),
-                                    output_len=LengthDist(args.random_output_len, **dist)),
-            num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency, seed=args.seed, slo=parse_goodput(args.goodput),
-            num_warmups=args.num_warmups, request_timeout_s=args.request_timeout, disable_tqdm=args.disable_tqdm)
+        bench = bench_config(args)
         base = load_config(args.config).with_overrides(**{
             "engine.model": args.model, "engine.dtype": args.dtype, "ray.address": args.address,
             "engine.threads_per_worker": args.threads_per_worker})
@@ -188,6 +180,8 @@ def _cmd_plan_live(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from cluster.bench.cli_args import add_workload_arguments
+
     plan = sub.add_parser("plan", help="find the prefill:decode split for a number of workers")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     live = plan_sub.add_parser(
@@ -210,25 +204,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--address", default=None,
                    help="Ray address to join ('auto' or HOST:PORT; run on a cluster node) instead of a local Ray")
     g.add_argument("--port", type=int, default=0, help="loopback port of the HTTP front (default: a free one)")
-    g = live.add_argument_group("workload (as in baton bench)")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0)
-    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s, open loop (default inf)")
-    g.add_argument("--burstiness", type=float, default=1.0)
-    g.add_argument("--max-concurrency", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each layout's run")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs, e.g. ttft:2000 tpot:200 (without: goodput = completed requests/s)")
+    add_workload_arguments(live)
+    live.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                      help="SLOs, e.g. ttft:2000 tpot:200 (without: goodput = completed requests/s)")
     g = live.add_argument_group("results")
     g.add_argument("--result-dir", default=None, help="folder for the JSON, Markdown and PNG")
     g.add_argument("--result-file", default=None,
                    help="JSON file name or path (default plan_live_<workers>w.json); .md and .png beside it")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    g.add_argument("--disable-tqdm", action="store_true")
     live.set_defaults(func=_cmd_plan_live)
 
 

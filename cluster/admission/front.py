@@ -40,6 +40,19 @@ def usage_path(usage: Any) -> Path:
     return cache_root() / "usage.sqlite3"
 
 
+def kv_admission(adm: Any, capacities: dict[str, int], block_size: int, num_fronts: int = 1, metrics: Any = None,
+                 clock: Any = None) -> KVAdmission:
+    """Stage 2 as the ``[admission]`` section ``adm`` sets it, over the KV-keeping workers'
+    ``capacities`` (blocks), one front's share of them; the simulator builds it the same way."""
+    extra = {"clock": clock} if clock is not None else {}
+    return KVAdmission(capacities, block_size, share=1.0 / max(num_fronts, 1), policy=adm.policy,
+                       reserve_fraction=adm.reserve_fraction, queue_timeout_s=adm.queue_timeout_s,
+                       max_queued_per_class=adm.max_queued_per_class,
+                       on_queue=metrics.observe_admission_queue if metrics else None,
+                       on_ledger=metrics.observe_ledger if metrics else None,
+                       on_reject=metrics.observe_rejected if metrics else None, **extra)
+
+
 @dataclass
 class FrontAdmission:
     """Stage 1 (``gate``), stage 2 (``kv``), the usage store and the tenants of one front."""
@@ -63,12 +76,8 @@ class FrontAdmission:
                            on_reject=metrics.observe_rejected if metrics else None,
                            on_finish=metrics.observe_tenant_finish if metrics else None)
         keepers = [w for w in workers if w.role in ("decode", "colocated")]
-        kv = KVAdmission({w.worker_id: int(w.info.get("num_blocks", 0)) for w in keepers}, block_size,
-                         share=1.0 / max(num_fronts, 1), policy=adm.policy, reserve_fraction=adm.reserve_fraction,
-                         queue_timeout_s=adm.queue_timeout_s, max_queued_per_class=adm.max_queued_per_class,
-                         on_queue=metrics.observe_admission_queue if metrics else None,
-                         on_ledger=metrics.observe_ledger if metrics else None,
-                         on_reject=metrics.observe_rejected if metrics else None)
+        kv = kv_admission(adm, {w.worker_id: int(w.info.get("num_blocks", 0)) for w in keepers}, block_size,
+                          num_fronts, metrics)
         return cls(directory, gate, kv, usage)
 
     def drain_begin(self) -> None:

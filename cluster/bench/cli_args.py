@@ -38,6 +38,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "also finds the tokenizer")
     g.add_argument("--served-model-name", default=None, help="name to send, when it differs from --model")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder for exact prompt lengths")
+    add_workload_arguments(p)
+    g = p.add_argument_group("results")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (also e2el:MS)")
+    g.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles")
+    g.add_argument("--result-file", default=None,
+                   help="write JSON here, and a Markdown table (.md) and plot (.png) beside it")
+    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    g = p.add_argument_group("sweep")
+    g.add_argument("--rates", nargs="+", type=_rates, default=None, help="offered rates (req/s), e.g. 1 2 4 8 inf")
+    g.add_argument("--sweep-stop-after", type=int, default=0,
+                   help="stop after this many consecutive rates miss the SLO (0: run every rate)")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload and load options ``baton bench``, ``plan live`` and ``plan sim`` share: the same
+    options build the same requests (``bench_config``)."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "trace"])
     g.add_argument("--dataset-path", default=None,
@@ -78,25 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--max-client-lag-ms", type=float, default=25.0, help="warn when the client lags more (p99)")
     g.add_argument("--disable-tqdm", action="store_true")
-    g = p.add_argument_group("results")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (also e2el:MS)")
-    g.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles")
-    g.add_argument("--result-file", default=None,
-                   help="write JSON here, and a Markdown table (.md) and plot (.png) beside it")
-    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    g = p.add_argument_group("sweep")
-    g.add_argument("--rates", nargs="+", type=_rates, default=None, help="offered rates (req/s), e.g. 1 2 4 8 inf")
-    g.add_argument("--sweep-stop-after", type=int, default=0,
-                   help="stop after this many consecutive rates miss the SLO (0: run every rate)")
 
 
-def _config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-up stays fast)
+def bench_config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-up stays fast)
+    """The BenchConfig the options in ``args`` describe (server options default where ``args`` has none)."""
     from cluster.bench.metrics import parse_goodput
     from cluster.bench.runner import BenchConfig
     from cluster.bench.workload import LengthDist, WorkloadConfig
 
-    if args.goodput and any(g in ("sweep", "run") for g in args.goodput):
+    goodput = getattr(args, "goodput", None)
+    if goodput and any(g in ("sweep", "run") for g in goodput):
         raise ValueError("put 'sweep' right after 'bench': baton bench sweep --rates ... --goodput ...")
     shared = args.dataset_name == "shared-prefix"
     if args.warmup_prefixes and not shared:
@@ -115,20 +123,21 @@ def _config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-u
     num_prompts = args.num_prompts
     if num_prompts is None:
         num_prompts = None if args.dataset_name == "trace" else 100
-    model = args.model
+    model = getattr(args, "model", None)
     # Baton serves a folder under the folder's name.
     is_dir = model is not None and Path(model).expanduser().is_dir()
-    api_name = args.served_model_name or (Path(model).expanduser().name if is_dir else model)
-    percentiles = tuple(float(x) for x in args.metric_percentiles.split(",") if x.strip())
+    api_name = getattr(args, "served_model_name", None) or (Path(model).expanduser().name if is_dir else model)
+    spec = getattr(args, "metric_percentiles", "50,90,99")
+    percentiles = tuple(float(x) for x in spec.split(",") if x.strip())
     if any(not 0 < q <= 100 for q in percentiles):
-        raise ValueError(f"--metric-percentiles must lie in (0, 100], got {args.metric_percentiles}")
+        raise ValueError(f"--metric-percentiles must lie in (0, 100], got {spec}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     return BenchConfig(
-        base_url=args.base_url, model=api_name, tokenizer_source=model, tokenizer=args.tokenizer,
-        endpoint=args.endpoint, workload=workload, num_prompts=num_prompts, request_rate=args.request_rate,
+        base_url=getattr(args, "base_url", DEFAULT_URL), model=api_name, tokenizer_source=model,
+        tokenizer=getattr(args, "tokenizer", None), endpoint=getattr(args, "endpoint", "/v1/completions"), workload=workload, num_prompts=num_prompts, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, trace_speedup=args.trace_speedup,
-        seed=args.seed, slo=parse_goodput(args.goodput), percentiles=percentiles, num_warmups=args.num_warmups,
+        seed=args.seed, slo=parse_goodput(goodput), percentiles=percentiles, num_warmups=args.num_warmups,
         warmup_prefixes=args.warmup_prefixes,
         ignore_eos=args.ignore_eos, temperature=args.temperature, token_ids=not args.text_prompts,
         request_timeout_s=args.request_timeout, max_client_lag_ms=args.max_client_lag_ms,
@@ -159,7 +168,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from cluster.bench.workload import WorkloadError
 
     try:
-        cfg = _config(args)
+        cfg = bench_config(args)
         rates = sorted({r for group in args.rates or [] for r in group})
         if args.action == "sweep":
             if not rates:

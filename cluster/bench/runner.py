@@ -158,7 +158,7 @@ async def _probe_loop(samples: list[float]) -> None:
         samples.append(time.perf_counter() - start - _LOOP_PROBE_S)
 
 
-def _schedule(cfg: BenchConfig, specs: list[RequestSpec]) -> tuple[list[float] | None, str]:
+def schedule(cfg: BenchConfig, specs: list[RequestSpec]) -> tuple[list[float] | None, str]:
     """Arrival offsets (None for closed loop) and a description of the mode."""
     if specs and specs[0].arrival_s is not None:
         offs = trace_offsets([s.arrival_s or 0.0 for s in specs], cfg.trace_speedup)
@@ -191,7 +191,7 @@ async def run_async(cfg: BenchConfig) -> BenchResult:
         for spec, prompt in factory.prefix_warmups(specs, prompts):  # after: measured prompts unchanged
             warm_specs.append(spec)
             warm_prompts.append(prompt)
-    offsets, mode = _schedule(cfg, specs)
+    offsets, mode = schedule(cfg, specs)
     endpoint = Endpoint(base_url=cfg.base_url, model=model, path=cfg.endpoint, ignore_eos=cfg.ignore_eos,
                         temperature=cfg.temperature, token_ids=cfg.token_ids, timeout_s=cfg.request_timeout_s)
     # No pool limit without a cap: a pool queue would delay sends invisibly to the lag figure.
