@@ -204,16 +204,17 @@ class RouterSection(BaseModel):
 
         return _one_of(value, policy_names(), "routing policy")
 
-    def make_policy(self) -> Any:
-        """The configured policy object (its options from this section where it takes them)."""
+    def make_policy(self, seed: int | None = None) -> Any:
+        """The configured policy object (its options from this section where it takes them);
+        ``seed`` fixes its random tie-breaks."""
         from router.routing import make_policy
 
         if self.policy == "cost":
-            return make_policy("cost", stall_weight=self.stall_weight, work_weight=self.work_weight,
+            return make_policy("cost", seed, stall_weight=self.stall_weight, work_weight=self.work_weight,
                                share_weight=self.share_weight, placement_tolerance=self.placement_tolerance,
                                conditional_disaggregation=self.conditional_disaggregation, step_fit=self.step_fit,
                                pool_fits=self.pool_fits)
-        return make_policy(self.policy)
+        return make_policy(self.policy, seed)
 
 
 class RecoverySection(BaseModel):

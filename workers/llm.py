@@ -17,7 +17,7 @@ from kernels.auto_dtype import resolve_dtype
 from kernels.device import resolve_device
 from workers.blocks.prefix_hash import CacheNamespace
 from workers.checkpoint.default_model import resolve_model
-from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.config import EngineConfig, engine_config
 from workers.engine.core import EngineCore
 from workers.engine.gpu_memory import plan_gpu_kv_cache
 from workers.engine.model_runner import kv_cache_block_bytes
@@ -82,12 +82,10 @@ class LLM:
     """Offline batch generation on one engine, in the style of ``vllm.LLM``."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs: Any) -> None:
-        sched_keys = {f for f in SchedulerConfig.__dataclass_fields__}
-        sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
         if "num_threads" not in kwargs and "BATON_NUM_THREADS" in os.environ:
             kwargs["num_threads"] = int(os.environ["BATON_NUM_THREADS"])
         self.engine, self.tokenizer, self.model_path = build_engine(
-            EngineConfig(model=model, dtype=dtype, scheduler=sched, **kwargs))
+            engine_config(model=model, dtype=dtype, **kwargs))
         self.config = self.engine.config  # dtype resolved
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

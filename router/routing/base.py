@@ -9,6 +9,7 @@ worker). Policies never see a worker's scheduler or call a worker.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -216,6 +217,11 @@ register_policy = _REGISTRY.register
 policy_names = _REGISTRY.names
 
 
-def make_policy(name: str, **options: Any) -> RoutingPolicy:
-    """The policy registered as ``name`` (``options`` to its constructor); ValueError naming the known ones."""
-    return _REGISTRY.get(name)(**options)
+def make_policy(name: str, seed: int | None = None, **options: Any) -> RoutingPolicy:
+    """The policy registered as ``name`` (``options`` to its constructor); ValueError naming the known ones.
+    ``seed`` fixes the ties a policy breaks at random (the simulator's runs repeat exactly); a policy
+    without random choices takes none."""
+    cls = _REGISTRY.get(name)
+    if seed is not None and "seed" in inspect.signature(cls).parameters:
+        options["seed"] = seed
+    return cls(**options)

@@ -78,3 +78,11 @@ class EngineConfig:
                  self.gpu_memory_utilization)
         check_device_name(self.device)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+
+
+def engine_config(**kwargs: object) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments (scheduler fields among them), as workers and
+    ``LLM`` take them."""
+    sched_keys = set(SchedulerConfig.__dataclass_fields__)
+    sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
+    return EngineConfig(scheduler=sched, **kwargs)
