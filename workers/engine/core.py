@@ -24,13 +24,13 @@ from workers.engine.swap import HostBlockPool
 from workers.engine.validation import RequestLimits
 from workers.errors import InvalidRequestError
 from workers.kv.event_log import KVEventLog
-from workers.kv.migration import KVMigrationMixin
+from workers.kv.migration import KVMigration, MigrationMeta
 from workers.model.llama import LlamaForCausalLM
 from workers.sampling.params import SamplingParams
 from workers.sampling.sampler import Sampler, SamplingRow
 
 
-class EngineCore(KVMigrationMixin):
+class EngineCore:
     """Continuous-batching engine over one model and one paged KV cache."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
@@ -55,8 +55,7 @@ class EngineCore(KVMigrationMixin):
         self.sampler = Sampler()
         self.groups: dict[str, RequestGroup] = {}
         self._members: dict[str, Request] = {}
-        self.parked: dict[str, Request] = {}  # prefill done, KV held until shipped
-        self.incoming: dict[str, Request] = {}  # blocks reserved, KV being received
+        self.migration = KVMigration(self)  # KV held for shipping (parked) or being received (incoming)
         self.paused: dict[str, Request] = {}  # descheduled for a slow reader, KV kept
         # Totals since start: how busy the engine is and on what (metrics, pool-ratio planning).
         self.num_steps = 0
@@ -148,7 +147,7 @@ class EngineCore(KVMigrationMixin):
         count = 0
         for mid in group.member_ids if group else ():
             req = self._members.get(mid)
-            if req is not None and req.status == RequestStatus.RUNNING and mid not in self.parked:
+            if req is not None and req.status == RequestStatus.RUNNING and mid not in self.migration.parked:
                 self.scheduler.detach(req)
                 self.paused[mid] = req
                 count += 1
@@ -258,7 +257,7 @@ class EngineCore(KVMigrationMixin):
                 delta.finish_reason = req.status.finish_reason
                 delta.stop_reason = req.stop_reason
             elif req.prefill_only:
-                self._park(req)
+                self.migration.park(req)
                 delta.kv_ready = True
             deltas.append(delta)
         return deltas
@@ -333,19 +332,18 @@ class EngineCore(KVMigrationMixin):
 
     def _finish(self, req: Request, status: RequestStatus, token_ids: list[int] | None) -> TokenDelta:
         """The one reclaim path: frees KV (idempotently) and forgets the request once all samples end."""
-        if (self.parked.pop(req.request_id, None) or self.incoming.pop(req.request_id, None)
-                or self.paused.pop(req.request_id, None)):
+        if self.migration.take(req.request_id) or self.paused.pop(req.request_id, None):
             self.block_manager.free(req.request_id)  # KV held outside the scheduler
             req.status = status
         else:
             self.scheduler.finish(req, status)
-        gid = self._forget(req)
+        gid = self.forget(req)
         return TokenDelta(gid, req.index, token_ids or [], finish_reason=status.finish_reason,
                           stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
                           num_cached_tokens=max(req.num_cached_tokens, 0),
                           position=req.num_output_tokens - len(token_ids or []))
 
-    def _forget(self, req: Request) -> str:
+    def forget(self, req: Request) -> str:
         """Drop a terminal sample from the bookkeeping; the group goes once all its samples have."""
         self._members.pop(req.request_id, None)
         gid = req.parent_id or req.request_id
@@ -354,3 +352,48 @@ class EngineCore(KVMigrationMixin):
                 m not in self._members for m in group.member_ids):
             del self.groups[gid]
         return gid
+
+    def adopt_member(self, req: Request) -> None:
+        """Track a sample that arrived with its KV as a member of its client request."""
+        gid = req.parent_id or req.request_id
+        group = self.groups.get(gid)
+        if group is None:
+            group = self.groups[gid] = RequestGroup(gid, [], req.num_prompt_tokens)
+        group.member_ids.append(req.request_id)
+        self._members[req.request_id] = req
+
+    # ------------------------------------------------------------------ KV migration (workers.kv.migration)
+    # The engine's side of the hand-off contract, for workers and connectors; ``self.migration`` does it.
+    @property
+    def parked(self) -> dict[str, Request]:
+        """Prefill done, KV held until shipped (read-only view of ``migration.parked``)."""
+        return self.migration.parked
+
+    @property
+    def incoming(self) -> dict[str, Request]:
+        """Blocks reserved, KV being received (read-only view of ``migration.incoming``)."""
+        return self.migration.incoming
+
+    def migration_meta(self, member_id: str) -> tuple[MigrationMeta, list[int]]:
+        """A parked request's meta and block table: ``KVMigration.migration_meta``."""
+        return self.migration.migration_meta(member_id)
+
+    def release_parked(self, member_id: str) -> bool:
+        """Free a parked request's blocks once shipped or failed: ``KVMigration.release_parked``."""
+        return self.migration.release_parked(member_id)
+
+    def reserve_remote(self, meta: MigrationMeta) -> list[int]:
+        """Reserve blocks for an arriving request; the blocks to receive: ``KVMigration.reserve_remote``."""
+        return self.migration.reserve_remote(meta)
+
+    def incoming_block_table(self, member_id: str) -> list[int]:
+        """Where a reserved request's KV goes: ``KVMigration.incoming_block_table``."""
+        return self.migration.incoming_block_table(member_id)
+
+    def admit_remote(self, member_id: str) -> None:
+        """The KV has arrived: start decoding it (``KVMigration.admit_remote``)."""
+        self.migration.admit_remote(member_id)
+
+    def cancel_remote(self, member_id: str) -> bool:
+        """Drop a reservation whose KV never arrived: ``KVMigration.cancel_remote``."""
+        return self.migration.cancel_remote(member_id)

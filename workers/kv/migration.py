@@ -1,4 +1,4 @@
-"""Engine hooks for moving a request's KV between workers (disaggregated prefill/decode).
+"""Moving a request's KV between workers (disaggregated prefill/decode): ``KVMigration``.
 
 Ownership follows one contract: the prefill engine parks a request after its first token and
 keeps its blocks; the decode engine reserves blocks (``reserve_remote``) and says which logical
@@ -7,22 +7,25 @@ engine admits the request (``admit_remote``); only then the prefill engine relea
 (``release_parked``). Every step has a failure path: ``cancel_remote`` on the decode side and
 ``release_parked`` on the prefill side free what they hold.
 All methods must run on the engine's loop thread.
+
+``KVMigration`` owns the requests held outside the scheduler for this (``parked``, ``incoming``)
+and reaches the engine only through ``MigrationHost``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from workers.engine.request import Request, RequestGroup, RequestStatus
+from workers.blocks.manager import BlockManager
+from workers.engine.request import Request, RequestStatus
+from workers.engine.scheduler import Scheduler
+from workers.engine.structured import StructuredOutputs
 from workers.errors import OutOfBlocksError
 from workers.sampling.params import SamplingParams
-
-if TYPE_CHECKING:
-    from workers.engine.core import EngineCore
 
 
 @dataclass
@@ -54,14 +57,44 @@ class MigrationMeta:
         return asdict(self)
 
 
-class KVMigrationMixin:
-    """Methods ``EngineCore`` gains for shipping KV; see the module docstring for the contract."""
+class MigrationHost(Protocol):
+    """What ``KVMigration`` needs of the engine it serves (``EngineCore``)."""
 
-    def _park(self: EngineCore, req: Request) -> None:
-        self.scheduler.detach(req)
+    block_manager: BlockManager
+    scheduler: Scheduler
+    structured: StructuredOutputs
+
+    def adopt_member(self, req: Request) -> None:
+        """Track an arrived sample as a member of its client request (its group made if new)."""
+
+    def forget(self, req: Request) -> str:
+        """Drop a terminal sample from the engine's bookkeeping; returns its client request id."""
+
+
+class KVMigration:
+    """The engine's KV hand-offs; see the module docstring for the contract.
+
+    ``parked``: prefill done, KV held until shipped. ``incoming``: blocks reserved, KV being received.
+    Neither is in the scheduler; both hold blocks that only this class (or ``take``'s caller) frees.
+    """
+
+    def __init__(self, host: MigrationHost) -> None:
+        self.host = host
+        self.parked: dict[str, Request] = {}
+        self.incoming: dict[str, Request] = {}
+
+    def park(self, req: Request) -> None:
+        """Take a running request out of scheduling after its first token, keeping its blocks."""
+        self.host.scheduler.detach(req)
         self.parked[req.request_id] = req
 
-    def migration_meta(self: EngineCore, member_id: str) -> tuple[MigrationMeta, list[int]]:
+    def take(self, member_id: str) -> Request | None:
+        """Stop holding a parked or incoming request that is ending otherwise (an abort); the caller
+        frees its blocks. None when this holds neither."""
+        return self.parked.pop(member_id, None) or self.incoming.pop(member_id, None)
+
+    # ------------------------------------------------------------------ prefill side
+    def migration_meta(self, member_id: str) -> tuple[MigrationMeta, list[int]]:
         """The parked request's meta and its block table (physical ids, logical order)."""
         req = self.parked[member_id]
         state = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
@@ -71,19 +104,20 @@ class KVMigrationMixin:
             params=asdict(req.params), max_total_tokens=req.max_total_tokens, priority=req.priority,
             cache_salt=req.cache_salt, age_s=time.monotonic() - req.arrival_time,
             num_cached_tokens=max(req.num_cached_tokens, 0), generator_state=state, tenant=req.tenant)
-        return meta, list(self.block_manager.block_table(member_id))
+        return meta, list(self.host.block_manager.block_table(member_id))
 
-    def release_parked(self: EngineCore, member_id: str) -> bool:
+    def release_parked(self, member_id: str) -> bool:
         """Free a parked request's blocks after its KV was shipped (or shipping failed). Idempotent."""
         req = self.parked.pop(member_id, None)
         if req is None:
             return False
-        self.block_manager.free(member_id)
+        self.host.block_manager.free(member_id)
         req.status = RequestStatus.MIGRATED
-        self._forget(req)
+        self.host.forget(req)
         return True
 
-    def reserve_remote(self: EngineCore, meta: MigrationMeta) -> list[int]:
+    # ------------------------------------------------------------------ decode side
+    def reserve_remote(self, meta: MigrationMeta) -> list[int]:
         """Allocate blocks for a request arriving with its KV; return the logical block indices
         whose data must be received (blocks this worker's prefix cache already holds are skipped).
 
@@ -97,13 +131,13 @@ class KVMigrationMixin:
         for tok in meta.output_token_ids:
             req.append_token(tok)
         # The grammar's state does not travel: it is rebuilt from the tokens emitted so far.
-        req.matcher = self.structured.matcher(params, req.output_token_ids)
+        req.matcher = self.host.structured.matcher(params, req.output_token_ids)
         if meta.generator_state is not None:
             gen = torch.Generator()
             gen.set_state(torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8))
             req.generator = gen
         computed = req.num_tokens - 1  # every position but the last sampled token has KV
-        bm = self.block_manager
+        bm = self.host.block_manager
         cached = bm.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
         if not bm.allocate(req.request_id, req.all_token_ids, cached, computed - cached,
                            num_cached_tokens=cached, salt=req.cache_salt):
@@ -121,25 +155,21 @@ class KVMigrationMixin:
             req.kv_expect = [(table[i], i, meta.kv_checksums[i]) for i in needed if i < len(meta.kv_checksums)]
         return needed
 
-    def incoming_block_table(self: EngineCore, member_id: str) -> list[int]:
-        return list(self.block_manager.block_table(member_id))
+    def incoming_block_table(self, member_id: str) -> list[int]:
+        """Where a reserved request's KV goes (physical ids, logical order)."""
+        return list(self.host.block_manager.block_table(member_id))
 
-    def admit_remote(self: EngineCore, member_id: str) -> None:
+    def admit_remote(self, member_id: str) -> None:
         """The KV has arrived: publish its full blocks to the prefix cache and start decoding."""
         req = self.incoming.pop(member_id)
-        self.block_manager.commit_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        gid = req.parent_id or req.request_id
-        group = self.groups.get(gid)
-        if group is None:
-            group = self.groups[gid] = RequestGroup(gid, [], req.num_prompt_tokens)
-        group.member_ids.append(req.request_id)
-        self._members[req.request_id] = req
-        self.scheduler.admit_running(req)
+        self.host.block_manager.commit_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        self.host.adopt_member(req)
+        self.host.scheduler.admit_running(req)
 
-    def cancel_remote(self: EngineCore, member_id: str) -> bool:
+    def cancel_remote(self, member_id: str) -> bool:
         """Drop a reservation whose KV never arrived. Idempotent."""
         req = self.incoming.pop(member_id, None)
         if req is None:
             return False
-        self.block_manager.free(member_id)
+        self.host.block_manager.free(member_id)
         return True
