@@ -11,13 +11,13 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from workers.actor.core_share import CoreShare
-from workers.engine.config import SchedulerConfig
 from workers.engine.core import EngineCore
 from workers.engine.outputs import TokenDelta
+from workers.engine.stats import EngineStats, engine_stats  # noqa: F401 (EngineStats: re-exported)
 from workers.sampling.params import SamplingParams
 
 
@@ -27,36 +27,6 @@ class _Stream:
     queue: asyncio.Queue
     remaining: int  # samples not finished yet
     done: bool = False
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for metrics and routing (never the scheduler itself)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_paused: int = 0  # descheduled for a slow reader (backpressure), KV kept
-    num_steps: int = 0
-    busy_seconds: float = 0.0
-    num_prefill_tokens_computed: int = 0
-    num_decode_tokens_computed: int = 0
-    prefill_seconds: float = 0.0  # step time attributed to prefill tokens
-    pending_prefill_tokens: int = 0  # prompt positions still to compute (waiting and running)
-    num_prefill_steps: int = 0
-    num_decode_steps: int = 0
-    kv_events_epoch: str = ""
-    kv_events_seq: int = 0
-    num_evicted_blocks: int = 0  # cached blocks evicted for reuse
-    step_moments: list[float] = field(default_factory=list)  # EngineCore.step_moments, for routers' fits
-    step_token_budget: int = 0  # max_num_batched_tokens: how many steps a queue of prompts takes
-    prefill_chunk: int = 0  # max_prefill_chunk: the most tokens of one prompt in a step (0: no cap)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -156,16 +126,7 @@ class AsyncEngine:
         self._post(lambda: self.engine.finish_request(request_id, index, "stop", stop))
 
     def stats(self) -> EngineStats:
-        e = self.engine
-        bm = e.block_manager
-        return EngineStats(e.num_running, e.num_waiting, bm.usage, bm.num_free_blocks, bm.num_blocks,
-                           bm.num_cached_queries, bm.num_cached_hits, e.scheduler.num_preemptions,
-                           len(e.paused), e.num_steps, e.busy_seconds, e.num_prefill_tokens_computed,
-                           e.num_decode_tokens_computed, e.prefill_seconds, e.pending_prefill_tokens,
-                           e.num_prefill_steps, e.num_decode_steps, e.kv_events.epoch, e.kv_events.seq,
-                           num_evicted_blocks=bm.num_evicted_blocks, step_moments=list(e.step_moments),
-                           step_token_budget=e.scheduler.config.max_num_batched_tokens,
-                           prefill_chunk=_chunk(e.scheduler.config))
+        return engine_stats(self.engine)
 
     def submit(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run ``fn(engine)`` on the loop thread before the next step; do not wait for it."""
@@ -286,11 +247,6 @@ class AsyncEngine:
                 done.add(d.request_id)  # forget only after this step: other samples may finish too
         for rid in done:
             self._streams.pop(rid, None)
-
-
-def _chunk(config: SchedulerConfig) -> int:
-    # a cap of the step's budget or more caps nothing beyond what the budget does
-    return config.max_prefill_chunk if config.max_prefill_chunk < config.max_num_batched_tokens else 0
 
 
 def all_finished(engine: EngineCore, request_id: str) -> bool:

@@ -8,7 +8,8 @@ is allocated; ``abort_request`` and every other terminal path go through
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -35,11 +36,52 @@ class EngineCore:
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
                  eos_token_ids: Sequence[int], namespace: CacheNamespace | None = None,
-                 device: torch.device | str = "cpu", tokenizer_json: str | None = None) -> None:
-        self.config = config
+                 device: torch.device | str = "cpu", tokenizer_json: str | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, timer: Callable[[], float] = time.perf_counter) -> None:
+        """``clock``: the time arrivals, first tokens and ends are stamped with; ``timer``: what a
+        step's duration is measured on (the simulator gives both its virtual clock)."""
         self.model = model
-        self.vocab_size = model.cfg.vocab_size
-        self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
+                                  num_host_blocks=self._host_blocks(model, config),
+                                  shared=config.kv_cache_shared)
+        self.sampler = Sampler()
+        host_pool = HostBlockPool(self.runner.host_cache.shape[2]) if self.runner.host_cache is not None else None
+        self._setup(config, num_blocks, eos_token_ids, model.cfg.vocab_size,
+                    config.max_model_len or model.cfg.max_position_embeddings, namespace, tokenizer_json,
+                    clock, timer, host_pool)
+        self._forward = self._model_forward
+        self._sample = self._model_sample
+
+    @classmethod
+    def for_simulation(cls, config: EngineConfig, num_blocks: int, eos_token_ids: Sequence[int], vocab_size: int,
+                       max_model_len: int, forward: Callable[[SchedulerOutput], None], token_id: int,
+                       namespace: CacheNamespace | None = None, clock: Callable[[], float] = time.monotonic,
+                       timer: Callable[[], float] = time.perf_counter) -> EngineCore:
+        """An engine without a model, for the simulator (``cluster.sim``): the same scheduling, KV
+        blocks, prefix cache, bookkeeping and stop checks, with the forward pass replaced by
+        ``forward(out)`` (which advances ``timer`` by the step's time) and every sampled token
+        ``token_id``. Requests with a grammar are refused (no tokenizer); swap space is not kept."""
+        core = cls.__new__(cls)
+        core.model = None
+        core.runner = None
+        core.sampler = None
+        core._setup(config, num_blocks, eos_token_ids, vocab_size, config.max_model_len or max_model_len, namespace,
+                    None, clock, timer, None)
+
+        def sample(row_reqs: list[Request], repeat: list[int], logits: Any) -> tuple[list[int], list[float], Any, Any]:
+            return [token_id] * len(row_reqs), [0.0] * len(row_reqs), None, None
+
+        core._forward = forward
+        core._sample = sample
+        return core
+
+    def _setup(self, config: EngineConfig, num_blocks: int, eos_token_ids: Sequence[int], vocab_size: int,
+               max_model_len: int, namespace: CacheNamespace | None, tokenizer_json: str | None,
+               clock: Callable[[], float], timer: Callable[[], float], host_pool: HostBlockPool | None) -> None:
+        self.config = config
+        self.clock, self.timer = clock, timer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.structured = StructuredOutputs(tokenizer_json, self.vocab_size, sorted(self.eos_token_ids))
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, num_blocks, config.block_size)
@@ -47,12 +89,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           namespace=namespace, event_sink=self.kv_events)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
-                                  num_host_blocks=self._host_blocks(model, config),
-                                  shared=config.kv_cache_shared)
-        host_pool = HostBlockPool(self.runner.host_cache.shape[2]) if self.runner.host_cache is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, host_pool)
-        self.sampler = Sampler()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, host_pool, clock=clock)
         self.groups: dict[str, RequestGroup] = {}
         self._members: dict[str, Request] = {}
         self.migration = KVMigration(self)  # KV held for shipping (parked) or being received (incoming)
@@ -102,7 +139,7 @@ class EngineCore:
             max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
         member_id = request_id if params.n == 1 else f"{request_id}#0"
         req = Request(member_id, list(prompt_token_ids), params, max_total,
-                      arrival_time=arrival_time or time.monotonic(), priority=priority,
+                      arrival_time=arrival_time or self.clock(), priority=priority,
                       cache_salt=cache_salt, parent_id=request_id, fork_pending=params.n - 1,
                       prefill_only=prefill_only, tenant=tenant,
                       index=resume.index if resume is not None else 0)
@@ -180,13 +217,14 @@ class EngineCore:
         """Schedule, run one forward, sample, apply stop conditions. Returns this step's deltas."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            self.runner.apply_swaps(out)  # a tick may only swap out; the copies cannot wait
+            if self.runner is not None:
+                self.runner.apply_swaps(out)  # a tick may only swap out; the copies cannot wait
             return []
-        started = time.perf_counter()
+        started = self.timer()
         try:
             return self._run_step(out)
         finally:
-            elapsed = time.perf_counter() - started
+            elapsed = self.timer() - started
             prefill_tokens = out.num_batched_tokens - len(out.decodes)
             self.num_steps += 1
             self.busy_seconds += elapsed
@@ -221,19 +259,13 @@ class EngineCore:
 
     def _run_step(self, out: SchedulerOutput) -> list[TokenDelta]:
         sampling = [s.request for s in sampling_requests(out)]
-        logits = self.runner.execute(out, self.block_manager.block_table)
+        logits = self._forward(out)
         self.scheduler.update_after_forward(out)
         if not sampling:
             return []
-        now = time.monotonic()
-        rows, row_reqs, logits = self._expand_forks(sampling, logits)
-        result = self.sampler(logits, rows)
-        token_ids = result.token_ids.tolist()
-        logprobs = result.logprobs.tolist() if any(r.params.logprobs is not None for r in row_reqs) else []
-        top_ids = top_vals = None
-        if result.top_logprob_ids is not None:
-            top_ids = result.top_logprob_ids.tolist()
-            top_vals = result.top_logprobs.tolist()
+        now = self.clock()
+        row_reqs, repeat = self._expand_forks(sampling)
+        token_ids, logprobs, top_ids, top_vals = self._sample(row_reqs, repeat, logits)
         deltas = []
         for i, req in enumerate(row_reqs):
             tok = token_ids[i]
@@ -262,10 +294,31 @@ class EngineCore:
             deltas.append(delta)
         return deltas
 
-    def _expand_forks(self, sampling: list[Request], logits: torch.Tensor
-                      ) -> tuple[list[SamplingRow], list[Request], torch.Tensor]:
-        """Rows for the sampler; a request finishing its prompt with ``n > 1`` forks its siblings here,
-        so all samples share the prompt's KV blocks and its last logits row."""
+    def _model_forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """The model's forward over ``out``: logits of the rows that sample."""
+        return self.runner.execute(out, self.block_manager.block_table)
+
+    def _model_sample(self, row_reqs: list[Request], repeat: list[int], logits: torch.Tensor
+                      ) -> tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None]:
+        """Sample a token per row (a forked request's siblings share its logits row): the ids, the
+        chosen tokens' logprobs (empty unless a row asks) and the top logprobs (None unless asked)."""
+        if len(row_reqs) != len(repeat):
+            logits = logits.repeat_interleave(torch.tensor(repeat, device=logits.device), dim=0)
+        rows = [self._row(r) for r in row_reqs]
+        self.structured.fill(rows, [r.matcher for r in row_reqs])
+        result = self.sampler(logits, rows)
+        token_ids = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist() if any(r.params.logprobs is not None for r in row_reqs) else []
+        top_ids = top_vals = None
+        if result.top_logprob_ids is not None:
+            top_ids = result.top_logprob_ids.tolist()
+            top_vals = result.top_logprobs.tolist()
+        return token_ids, logprobs, top_ids, top_vals
+
+    def _expand_forks(self, sampling: list[Request]) -> tuple[list[Request], list[int]]:
+        """The step's sampling rows; a request finishing its prompt with ``n > 1`` forks its siblings
+        here, so all samples share the prompt's KV blocks (and its last logits row: ``repeat``, the
+        rows each sampling request stands for)."""
         row_reqs: list[Request] = []
         repeat: list[int] = []
         for req in sampling:
@@ -286,11 +339,7 @@ class EngineCore:
                     row_reqs.append(child)
                 req.fork_pending = 0
             repeat.append(copies)
-        if len(row_reqs) != len(sampling):
-            logits = logits.repeat_interleave(torch.tensor(repeat, device=logits.device), dim=0)
-        rows = [self._row(r) for r in row_reqs]
-        self.structured.fill(rows, [r.matcher for r in row_reqs])
-        return rows, row_reqs, logits
+        return row_reqs, repeat
 
     def _row(self, req: Request) -> SamplingRow:
         p = req.params

@@ -10,6 +10,7 @@ running request is preempted by recompute (its blocks freed, its counters reset)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.blocks.manager import BlockManager
@@ -65,8 +66,9 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 host_pool: HostBlockPool | None = None) -> None:
+                 host_pool: HostBlockPool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # what arrival order, aging and finish times are read on
         self.block_manager = block_manager
         self.host_pool = host_pool  # swap space; None: every preemption recomputes
         self.waiting: WaitingQueue = make_waiting_queue(config.policy, config.aging_seconds,
@@ -90,7 +92,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
         self.block_manager.free(request.request_id)
         if request.swapped_blocks and self.host_pool is not None:
             self.host_pool.free(request.swapped_blocks)
@@ -125,7 +127,7 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
-        now = time.monotonic()
+        now = self.clock()
         bm = self.block_manager
 
         index = 0

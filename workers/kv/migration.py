@@ -14,7 +14,7 @@ and reaches the engine only through ``MigrationHost``.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -63,6 +63,7 @@ class MigrationHost(Protocol):
     block_manager: BlockManager
     scheduler: Scheduler
     structured: StructuredOutputs
+    clock: Callable[[], float]  # the engine's time: a request's age travels with it
 
     def adopt_member(self, req: Request) -> None:
         """Track an arrived sample as a member of its client request (its group made if new)."""
@@ -102,7 +103,7 @@ class KVMigration:
             request_id=req.parent_id or req.request_id, member_id=req.request_id, index=req.index,
             prompt_token_ids=list(req.prompt_token_ids), output_token_ids=req.output_token_ids,
             params=asdict(req.params), max_total_tokens=req.max_total_tokens, priority=req.priority,
-            cache_salt=req.cache_salt, age_s=time.monotonic() - req.arrival_time,
+            cache_salt=req.cache_salt, age_s=self.host.clock() - req.arrival_time,
             num_cached_tokens=max(req.num_cached_tokens, 0), generator_state=state, tenant=req.tenant)
         return meta, list(self.host.block_manager.block_table(member_id))
 
@@ -125,7 +126,7 @@ class KVMigration:
         """
         params = meta.sampling_params()
         req = Request(meta.member_id, meta.prompt_token_ids, params, meta.max_total_tokens,
-                      arrival_time=time.monotonic() - meta.age_s, priority=meta.priority,
+                      arrival_time=self.host.clock() - meta.age_s, priority=meta.priority,
                       cache_salt=meta.cache_salt, parent_id=meta.request_id, index=meta.index,
                       tenant=meta.tenant)
         for tok in meta.output_token_ids:

@@ -272,7 +272,7 @@ def test_a_loop_that_goes_idle_ends_its_team_once(tiny_model_dir):
 
 
 def test_the_prefill_chunk_reported_is_a_cap_below_the_step_s_budget_or_none():
-    from workers.engine.async_engine import _chunk
+    from workers.engine.stats import _chunk
 
     assert _chunk(SchedulerConfig(max_num_batched_tokens=1024, max_prefill_chunk=256)) == 256
     assert _chunk(SchedulerConfig(max_num_batched_tokens=1024, max_prefill_chunk=1024)) == 0
