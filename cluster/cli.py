@@ -213,6 +213,10 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="JSON file name or path (default plan_live_<workers>w.json); .md and .png beside it")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     live.set_defaults(func=_cmd_plan_live)
+    from cluster.sim.cli import add_profile_parser, add_sim_parser
+
+    add_sim_parser(plan_sub)
+    add_profile_parser(plan_sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

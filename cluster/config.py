@@ -275,7 +275,11 @@ class ClusterConfig(BaseModel):
                 continue
             section, field = key.split(".", 1)
             data[section][field] = value
-        return ClusterConfig.model_validate(data)
+        try:
+            return ClusterConfig.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ConfigError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
 
 
 def _one_of(value: str, names: list[str], what: str) -> str:

@@ -251,3 +251,26 @@ def config_dict(cfg: BenchConfig) -> dict[str, Any]:
             return [clean(x) for x in v]
         return v
     return clean(asdict(cfg))
+
+
+def config_from_dict(data: dict[str, Any]) -> BenchConfig:
+    """The inverse of :func:`config_dict`: a BenchConfig from a result file's ``config`` (or
+    ``bench_config``). Raises WorkloadError naming a field that does not fit."""
+    from cluster.bench.workload import LengthDist
+
+    def num(v: Any) -> Any:
+        return math.inf if v == "inf" else v
+
+    try:
+        raw = {k: num(v) for k, v in data.items() if k in BenchConfig.__dataclass_fields__}
+        w = dict(raw.get("workload") or {})
+        for key in ("input_len", "output_len"):
+            if isinstance(w.get(key), dict):
+                w[key] = LengthDist(**w[key])
+        raw["workload"] = WorkloadConfig(**w)
+        raw["slo"] = SLO(**raw["slo"]) if raw.get("slo") else None
+        if "percentiles" in raw:
+            raw["percentiles"] = tuple(raw["percentiles"])
+        return BenchConfig(**raw)
+    except (TypeError, ValueError) as exc:
+        raise WorkloadError(f"the result's bench config does not fit this version of baton: {exc}") from None
