@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a folder with the default model's config and tokenizer but not its weights: "
                         "the engine stage fills that shape with random weights (a device machine the "
                         "94 MB GGUF cannot travel to)")
+    parser.add_argument("--profile", default=None, metavar="OUT",
+                        help="also write baton plan sim's latency profile of the random-weight 1B model "
+                        "on this GPU (source gpu_check)")
     args = parser.parse_args(argv)
     if args.engine_smoke:
         return _write(Path(args.out), _engine_only(args))
@@ -346,7 +349,26 @@ def main(argv: list[str] | None = None) -> int:
         "all_ok": all(c["ok"] for c in run.checks.values()) and (engine is None or engine["parity"]["ok"]),
         "elapsed_s": time.monotonic() - run.t0,
     }
+    if args.profile and engine is not None:
+        result["profile"] = _latency_profile(args, Path(args.profile))
     return _write(Path(args.out), result)
+
+
+def _latency_profile(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """``baton plan profile --device cuda`` of the engine stage's 1B model: step grids and the
+    device-to-device KV copy (``collective`` needs a second GPU; NCCL does not pair a GPU with itself)."""
+    from cluster.sim.profiler import measure_profile
+    from workers.checkpoint.default_model import cache_root
+
+    work = Path(args.work_dir) if args.work_dir else cache_root() / "models"
+    try:
+        profile = measure_profile(str(work / "random-llama-1b"), "bfloat16", 1, 16, 2048, False, "cuda",
+                                  ["shared_memory"], log=lambda msg: print(f"gpu_check: profile: {msg}", flush=True))
+    except Exception as exc:  # the kernel checks stand without it
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    profile.dump(out)
+    return {"ok": True, "path": str(out), "step_overhead_s": profile.step_overhead_s,
+            "mixed": profile.mixed["validation"]}
 
 
 def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) -> dict[str, Any]:

@@ -56,6 +56,11 @@ def add_sim_parser(plan_sub: Any) -> None:
                    help="a baton plan live (or baton bench) result: simulate its layouts with its workload "
                    "and print the error of each figure")
     g.add_argument("--layout", default=None, help="with a baton bench result: the layout it ran on (2P+1D)")
+    g.add_argument("--calibrate", nargs="+", default=None, metavar="RESULT.json",
+                   help="fit the profile's host cost (serving-path time around each step) to a measured "
+                   "run, write the profile with it (--write-profile) and print the error table it gives")
+    g.add_argument("--write-profile", default=None, metavar="OUT.json",
+                   help="with --calibrate: where the calibrated profile goes (default: PROFILE_calibrated.json)")
     g = sim.add_argument_group("results")
     g.add_argument("--result-dir", default=None, help="folder for the JSON, Markdown and PNG")
     g.add_argument("--result-file", default=None, help="JSON file name or path (default plan_sim.json)")
@@ -146,6 +151,8 @@ def run_sim_command(args: argparse.Namespace) -> int:
         profile = LatencyProfile.load(args.profile)
         hardware = _hardware(args, profile)
         base = load_config(args.config)
+        if args.calibrate:
+            return _calibrate(args, base, profile, hardware)
         if args.against:
             return _against(args, base, profile, hardware)
         bench = bench_config(args)
@@ -176,6 +183,26 @@ def run_sim_command(args: argparse.Namespace) -> int:
                 print("baton plan: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
         print(f"baton plan: wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0 if any(r.ok for r in pr.results) else 1
+
+
+def _calibrate(args: argparse.Namespace, base: Any, profile: Any, hardware: Any) -> int:
+    from cluster.sim.against import compare, error_markdown, load_measured
+    from cluster.sim.calibrate import calibrate
+
+    measured = [m for path in args.calibrate for m in load_measured(path, args.layout)]
+    if not measured:
+        raise ValueError(f"{' '.join(args.calibrate)}: no completed layout to calibrate on")
+    names = ", ".join(Path(p).name for p in args.calibrate)
+    fitted, after, before = calibrate(measured, base, profile, hardware, names, seed=measured[0].bench.seed)
+    out = Path(args.write_profile or Path(args.profile).with_name(Path(args.profile).stem + "_calibrated.json"))
+    fitted.dump(out)
+    print(error_markdown(compare(measured, base, fitted, hardware, seed=measured[0].bench.seed), names))
+    h = fitted.host
+    print(f"host cost fitted to {names}: {h.per_step_s * 1e3:g} ms a step + {h.per_token_s * 1e3:g} ms a "
+          f"sampled token, {h.per_request_s * 1e3:g} ms a request before routing (mean squared log error "
+          f"of p50/p99 TTFT and TPOT {before:.3f} -> {after:.3f})")
+    print(f"baton plan: wrote {out}", file=sys.stderr)
+    return 0
 
 
 def _against(args: argparse.Namespace, base: Any, profile: Any, hardware: Any) -> int:

@@ -55,8 +55,9 @@ class SimFront:
 
     def __init__(self, loop: EventLoop, workers: list[SimWorker], limits: RequestLimits, policy: RoutingPolicy,
                  admission: Any = None, max_queued: int = 512, stats_interval_s: float = 1.0,
-                 events_interval_s: float = 0.25, index_ttl_s: float = 10.0) -> None:
+                 events_interval_s: float = 0.25, index_ttl_s: float = 10.0, request_delay_s: float = 0.0) -> None:
         self.loop = loop
+        self.request_delay_s = request_delay_s
         self.sims = {w.worker_id: w for w in workers}
         self.refs = {w.worker_id: WorkerRef(w.worker_id, w.role, None, w.info()) for w in workers}
         refs = list(self.refs.values())
@@ -83,6 +84,14 @@ class SimFront:
         record.t_sent = now - self.t0
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
         flight = _Flight(req, record, f"r{req.index}", params, now, on_done=[on_done] if on_done else [])
+        if self.request_delay_s > 0:  # the HTTP hop and the front's own work before it routes
+            self.loop.after(self.request_delay_s, lambda: self._enter(flight))
+        else:
+            self._enter(flight)
+
+    def _enter(self, flight: _Flight) -> None:
+        req, params = flight.req, flight.params
+        flight.arrival = self.loop.now
         try:
             self.limits.validate(req.prompt_token_ids, params)
             if self._in_flight >= self.max_queued:

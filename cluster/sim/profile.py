@@ -16,6 +16,12 @@ the profiler on held-out mixed steps, whose error it records in ``mixed.validati
 - ``sum``: the parts' times added, less the step overhead each part beyond the first repeats;
 - ``rows``: one prefill of all the step's rows (the linear layers see them together), plus what
   each chunk's cached context and the decodes' context add over a context-free step.
+
+``host`` (optional, zero when absent) is the serving path's time that the engine step itself
+does not show: around each step (the worker loop, output delivery, and on shared cores the front
+and client taking core time from the workers) ``per_step_s`` plus ``per_token_s`` per token the
+step samples; before the front routes a request (the HTTP hop, its own work) ``per_request_s``. ``baton plan sim --calibrate RESULT.json`` fits it to a measured run
+and records which in ``host.calibrated_against``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ SOURCES = ("measured", "gpu_check", "published")
 RULES = ("sum", "rows")
 _MIN_S = 1e-6
 _TOP = ("format", "version", "created", "source", "note", "machine", "model", "step_overhead_s", "prefill",
-        "decode", "mixed", "kv_transfer")
+        "decode", "mixed", "kv_transfer", "host")
 
 
 class ProfileError(ValueError):
@@ -128,6 +134,35 @@ class TransferCost:
 
 
 @dataclass
+class HostCost:
+    """Serving-path time around a step (``per_step_s + tokens * per_token_s``, on the worker's
+    cores) and before a request is routed (``per_request_s``, at the front)."""
+
+    per_step_s: float = 0.0
+    per_token_s: float = 0.0
+    per_request_s: float = 0.0  # before the front routes a request (the HTTP hop, the front's work)
+    calibrated_against: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HostCost:
+        if not isinstance(data, dict):
+            raise ProfileError("host: must be an object with per_step_s and per_token_s")
+        extra = set(data) - {"per_step_s", "per_token_s", "per_request_s", "calibrated_against"}
+        if extra:
+            raise ProfileError(f"host.{sorted(extra)[0]}: unknown field")
+        where = data.get("calibrated_against", "")
+        if not isinstance(where, str):
+            raise ProfileError("host.calibrated_against: must be a string")
+        return cls(_number(_field(data, "per_step_s", "host."), "host.per_step_s", False),
+                   _number(_field(data, "per_token_s", "host."), "host.per_token_s", False),
+                   _number(data.get("per_request_s", 0.0), "host.per_request_s", False), where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_step_s": self.per_step_s, "per_token_s": self.per_token_s, "per_request_s": self.per_request_s,
+                "calibrated_against": self.calibrated_against}
+
+
+@dataclass
 class LatencyProfile:
     """Step and shipment times of one kind of hardware running one model (see the module docstring)."""
 
@@ -141,6 +176,7 @@ class LatencyProfile:
     kv_transfer: dict[str, TransferCost] = field(default_factory=dict)
     note: str = ""
     created: str = ""
+    host: HostCost = field(default_factory=HostCost)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -190,6 +226,10 @@ class LatencyProfile:
             parts.append(self.decode_s(decode_batch, decode_context))
         return max(sum(parts) - self.step_overhead_s * (len(parts) - 1), _MIN_S)
 
+    def host_s(self, sampled_tokens: int) -> float:
+        """The serving path's time around a step that samples ``sampled_tokens`` tokens."""
+        return self.host.per_step_s + sampled_tokens * self.host.per_token_s
+
     def transfer_s(self, connector: str, blocks: int) -> float:
         """Shipping ``blocks`` KV blocks over ``connector`` (a name in ``kv_transfer``)."""
         cost = self.kv_transfer.get(connector)
@@ -201,12 +241,15 @@ class LatencyProfile:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "created": self.created, "source": self.source,
-                "note": self.note, "machine": dict(self.machine), "model": dict(self.model),
-                "step_overhead_s": self.step_overhead_s, "prefill": self.prefill.to_dict(),
-                "decode": self.decode.to_dict(), "mixed": dict(self.mixed),
-                "kv_transfer": {k: {"fixed_s": v.fixed_s, "per_block_s": v.per_block_s}
-                                for k, v in sorted(self.kv_transfer.items())}}
+        out = {"format": FORMAT, "version": VERSION, "created": self.created, "source": self.source,
+               "note": self.note, "machine": dict(self.machine), "model": dict(self.model),
+               "step_overhead_s": self.step_overhead_s, "prefill": self.prefill.to_dict(),
+               "decode": self.decode.to_dict(), "mixed": dict(self.mixed),
+               "kv_transfer": {k: {"fixed_s": v.fixed_s, "per_block_s": v.per_block_s}
+                               for k, v in sorted(self.kv_transfer.items())}}
+        if self.host != HostCost():
+            out["host"] = self.host.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> LatencyProfile:
@@ -238,7 +281,8 @@ class LatencyProfile:
                    prefill=Grid.from_dict(_field(data, "prefill", ""), "prefill", "new_tokens", "cached_tokens", 0),
                    decode=Grid.from_dict(_field(data, "decode", ""), "decode", "batch", "context_per_seq", 1),
                    mixed=data["mixed"], kv_transfer=transfers, note=data.get("note", ""),
-                   created=data.get("created", ""))
+                   created=data.get("created", ""),
+                   host=HostCost.from_dict(data["host"]) if "host" in data else HostCost())
 
     def dump(self, path: str | Path) -> Path:
         path = Path(path)

@@ -106,8 +106,9 @@ class _Bench:
         decodes' mean context)."""
         times, ctxs = [], []
         for _ in range(repeats):
-            rids = self.start_decodes(batch, context)
+            # the chunks' prefixes first: caching one runs the engine dry, decodes included
             prefixes = [self.cache_prefix(c) for _, c in chunks]
+            rids = self.start_decodes(batch, context)
             for (new, _), prefix in zip(chunks, prefixes):
                 self.engine.add_request(self.rid(), prefix + self.tokens(new), self.params(1))
             ctxs.append(sum(self.engine._members[r].num_tokens - 1 for r in rids) / max(len(rids), 1))

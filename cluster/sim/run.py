@@ -172,7 +172,7 @@ def simulate(config: ClusterConfig, layout: Layout, bench: BenchConfig, profile:
     router = config.router
     front = SimFront(loop, workers, limits, router.make_policy(seed), admission,
                      max_queued=config.server.max_queued_requests, events_interval_s=router.events_interval_s,
-                     index_ttl_s=router.index_ttl_s)
+                     index_ttl_s=router.index_ttl_s, request_delay_s=profile.host.per_request_s)
     workload = build_workload(bench)
     client = _Client(loop, front, workload, bench.max_concurrency if workload.users is None else None)
     loop.at(0.0, client.start)

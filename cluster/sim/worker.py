@@ -169,7 +169,8 @@ class SimWorker:
         """The forward pass: as long as the profile says this step takes."""
         chunks = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.prefills]
         context = sum(s.request.num_computed_tokens + 1 for s in out.decodes)
-        self._timer_s += self.profile.step_s(chunks, len(out.decodes), context)
+        sampled = len(out.decodes) + sum(s.samples for s in out.prefills)
+        self._timer_s += self.profile.step_s(chunks, len(out.decodes), context) + self.profile.host_s(sampled)
 
     def _end_turn(self, deltas: list[TokenDelta]) -> None:
         self._give_back()

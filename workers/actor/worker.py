@@ -32,7 +32,7 @@ from workers.actor.faults import FaultPoints
 from workers.actor.messages import encode_deltas, params_from_dict
 from workers.actor.output_stream import FrontConnection, OutputServer
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.config import engine_config
 from workers.engine.model_runner import kv_cache_block_bytes
 from workers.engine.outputs import TokenDelta
 from workers.engine.request import SampleResume
@@ -82,9 +82,7 @@ class Worker:
         # A prefill worker's cache goes in shared memory when a connector it may use maps it.
         engine.setdefault("kv_cache_shared", role == "prefill" and can_share()
                           and any(connector_class(n).needs_shared_cache for n in order))
-        sched_keys = set(SchedulerConfig.__dataclass_fields__)
-        sched = SchedulerConfig(**{k: engine.pop(k) for k in list(engine) if k in sched_keys})
-        config = EngineConfig(scheduler=sched, **engine)
+        config = engine_config(**engine)
 
         def build() -> Any:
             core, self.tokenizer, self.model_path = build_engine(config)

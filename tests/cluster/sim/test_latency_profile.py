@@ -47,12 +47,24 @@ def test_a_profile_round_trips_through_its_file(tmp_path):
     (lambda d: d.update(source="published", note=""), "note"),
     (lambda d: d["mixed"].__setitem__("rule", "max"), "mixed.rule"),
     (lambda d: d.__setitem__("step_overhead_s", "fast"), "step_overhead_s"),
+    (lambda d: d.__setitem__("host", {"per_step_s": -1, "per_token_s": 0}), "host.per_step_s"),
+    (lambda d: d.__setitem__("host", {"per_step_s": 0}), "host.per_token_s: missing"),
+    (lambda d: d.__setitem__("host", {"per_step_s": 0, "per_token_s": 0, "per_row_s": 1}), "host.per_row_s"),
 ])
 def test_a_malformed_profile_names_its_field(edit, field):
     data = copy.deepcopy(_data())
     edit(data)
     with pytest.raises(ProfileError, match=field.replace("[", r"\[").replace("]", r"\]")):
         LatencyProfile.from_dict(json.loads(json.dumps(data)))
+
+
+def test_a_host_cost_round_trips_and_adds_to_each_step(tmp_path):
+    data = _data()
+    data["host"] = {"per_step_s": 0.004, "per_token_s": 0.001, "per_request_s": 0.02, "calibrated_against": "x.json"}
+    p = LatencyProfile.from_dict(data)
+    assert LatencyProfile.load(p.dump(tmp_path / "p.json")).to_dict() == data
+    assert p.host_s(3) == pytest.approx(0.007)
+    assert LatencyProfile.from_dict(_data()).host_s(3) == 0.0
 
 
 def test_not_json_and_missing_files_are_profile_errors(tmp_path):
