@@ -45,7 +45,8 @@ own (a GPU, reserved cores) both are neutral.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,14 +93,50 @@ class CostModel:
         # noise, and colocated workers fed only prompt tails priced a 1k-token prompt 7x apart
         self.pool_fits = pool_fits
         self._pooled: dict[Any, tuple[tuple[Any, ...], Any]] = {}
+        self._memo: dict[tuple[Any, ...], Any] | None = None  # within deciding(): fits by worker
+
+    @contextmanager
+    def deciding(self) -> Iterator[CostModel]:
+        """One routing decision: each worker's fits are made once in it (loads do not move while
+        a policy weighs its candidates; pooled, a fit reads every mate, so per pair it grew with
+        the square of the pool)."""
+        outer = self._memo is not None
+        if not outer:
+            self._memo = {}
+        try:
+            yield self
+        finally:
+            if not outer:
+                self._memo = None
 
     def _fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
-        if not self.pool_fits:
-            return _fit(worker, pool, prior, lambda w: w.load.fit(attr, self.step_fit))
+        memo = self._memo
+        if memo is None:
+            return self._make_fit(worker, attr, pool, prior)
+        key = ("fit", id(worker), attr, prior)
+        fit = memo.get(key)
+        if fit is None:
+            fit = memo[key] = self._make_fit(worker, attr, pool, prior)
+        return fit
+
+    def _make_fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
         pool = list(pool)
-        return _fit(worker, pool, prior, lambda w: w.load.fit(
-            attr, self.step_fit, self.pooled_step(w, pool) if self.step_fit else None,
-            self.pooled_intervals(w, attr, pool)))
+        return _fit(worker, pool, prior, lambda w: self._own_fit(w, attr, pool))
+
+    def _own_fit(self, worker: Any, attr: str, pool: list[Any]) -> tuple[float, float] | None:
+        """``worker``'s own fit of ``attr`` (pooled with its mates'), None where it has none yet."""
+        memo = self._memo
+        key = ("own", id(worker), attr)
+        if memo is not None and key in memo:
+            return memo[key]
+        if not self.pool_fits:
+            own = worker.load.fit(attr, self.step_fit)
+        else:
+            own = worker.load.fit(attr, self.step_fit, self.pooled_step(worker, pool) if self.step_fit else None,
+                                  self.pooled_intervals(worker, attr, pool))
+        if memo is not None:
+            memo[key] = own
+        return own
 
     def pooled_step(self, worker: Any, pool: Iterable[Any]) -> StepFit:
         """The step fit to the steps of every worker in ``pool`` on ``worker``'s hardware (the same

@@ -58,6 +58,10 @@ class CompletionCost(RoutingPolicy):
         self._rng = random.Random(seed)
 
     def route(self, request: RouteRequest, candidates: Candidates) -> Decision:
+        with self.model.deciding():
+            return self._route(request, candidates)
+
+    def _route(self, request: RouteRequest, candidates: Candidates) -> Decision:
         pool = candidates.first + candidates.decode
         m, out = self.model, request.max_tokens
         options: list[_Option] = []
