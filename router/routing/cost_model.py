@@ -159,14 +159,21 @@ class CostModel:
         own: LinearCost = getattr(worker.load, attr)
         if not _measured(own):
             return own
+        # in one decision every measured mate gets the same pooled fit: make it once
+        slot = (worker.load.hardware, worker.role, attr)
+        memo, key = self._memo, ("pooled", *slot, own.fallback)
+        if memo is not None and key in memo:
+            return memo[key]
         # only fits made of intervals: one set by hand (a test's, an operator's) has no sums to pool
         mates = [w for w in _mates(worker, pool, lambda w: (w.load.hardware, w.role))
                  if _measured(getattr(w.load, attr))]
         if len(mates) == 1:
             return own
         costs: list[LinearCost] = [getattr(w.load, attr) for w in mates]
-        return self._pool((worker.load.hardware, worker.role, attr), mates, costs,
-                          lambda sums: LinearCost.of_sums(sums, own.fallback))
+        fit = self._pool(slot, mates, costs, lambda sums: LinearCost.of_sums(sums, own.fallback))
+        if memo is not None:
+            memo[key] = fit
+        return fit
 
     def _pool(self, slot: Any, mates: list[Any], fits: list[Any], solve: Callable[[list[float]], Any]) -> Any:
         """The fit ``solve`` makes of the mates' summed ``fits``, cached in ``slot`` until one of

@@ -126,3 +126,19 @@ def test_the_simulated_cluster_has_the_configs_kv_cache_and_rejects_what_it_cann
     assert res.summary["failed"] == 3 and res.summary["completed"] == 0
     assert all(r.error for r in res.records)
     assert all(w["blocks_held"] == 0 and w["requests_left"] == 0 for w in res.workers.values())
+
+
+def test_the_cost_models_per_decision_memo_changes_no_decision(profile, monkeypatch):
+    """Fits made once per decision (``CostModel.deciding``) price every pair as fits made afresh
+    for each did: the same run either way, on a pool big enough to pool fits across mates."""
+    import contextlib
+
+    from router.routing.cost_model import CostModel
+
+    bench = _bench(SHARED, n=40, rate=30.0)
+    hw = SimHardware(shared_cores=0, threads=2)
+    memoised = simulate(_config("cost"), Layout(3, 3), bench, profile, hw, seed=2)
+    monkeypatch.setattr(CostModel, "deciding", lambda self: contextlib.nullcontext(self))
+    afresh = simulate(_config("cost"), Layout(3, 3), bench, profile, hw, seed=2)
+    assert _dump(memoised) == _dump(afresh)
+    assert memoised.summary["completed"] == 40
