@@ -141,7 +141,7 @@ def _plan_result_path(args: argparse.Namespace) -> Path | None:
 def _cmd_plan_live(args: argparse.Namespace) -> int:
     from cluster.bench.cli_args import bench_config
     from cluster.bench.plan import parse_ratios, plan_json, plan_layouts, plan_markdown, plot_plan, run_plan
-    from cluster.bench.report import write_json
+    from cluster.bench.report import write_plan_outputs
     from cluster.bench.workload import WorkloadError
     from cluster.config import load_config
 
@@ -168,13 +168,8 @@ def _cmd_plan_live(args: argparse.Namespace) -> int:
     print(md)
     path = _plan_result_path(args)
     if path is not None:
-        written = [write_json(plan_json(pr), path), path.with_suffix(".md")]
-        written[1].write_text(md, encoding="utf-8")
-        if not args.no_plot:
-            try:
-                written.append(plot_plan(pr, path.with_suffix(".png")))
-            except ImportError:
-                print("baton plan: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
+        plot = None if args.no_plot else (lambda png: plot_plan(pr, png))
+        written = write_plan_outputs(plan_json(pr), md, path, plot)
         print(f"baton plan: wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0 if any(r.ok for r in pr.results) else 1
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,19 @@ def write_json(data: dict[str, Any], path: str | Path) -> Path:
         return v
     path.write_text(json.dumps(clean(data), indent=1) + "\n", encoding="utf-8")
     return path
+
+
+def write_plan_outputs(data: dict[str, Any], md: str, path: Path,
+                       plot: Callable[[Path], Path] | None) -> list[Path]:
+    """Write a plan's JSON at ``path``, its Markdown beside it and, if ``plot`` runs, its PNG."""
+    written = [write_json(data, path), path.with_suffix(".md")]
+    written[1].write_text(md, encoding="utf-8")
+    if plot is not None:
+        try:
+            written.append(plot(path.with_suffix(".png")))
+        except ImportError:
+            print("baton plan: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
+    return written
 
 
 def _pcols(summary: dict[str, Any]) -> list[str]:

@@ -142,9 +142,9 @@ def run_sim_command(args: argparse.Namespace) -> int:
     """0 when a layout ran; 2 with a one-line error for bad options, profile or workload."""
     from cluster.bench.cli_args import bench_config
     from cluster.bench.plan import parse_ratios
-    from cluster.bench.report import write_json
+    from cluster.bench.report import write_plan_outputs
     from cluster.config import load_config
-    from cluster.sim.plan import run_sim_plan, search_space, sim_plan_json, sim_plan_markdown
+    from cluster.sim.plan import plot_sim_plan, run_sim_plan, search_space, sim_plan_json, sim_plan_markdown
     from cluster.sim.profile import LatencyProfile
 
     try:
@@ -172,15 +172,8 @@ def run_sim_command(args: argparse.Namespace) -> int:
     print(md)
     if args.result_file or args.result_dir:
         path = Path(args.result_dir or ".") / (args.result_file or "plan_sim.json")
-        written = [write_json(sim_plan_json(pr), path), path.with_suffix(".md")]
-        written[1].write_text(md, encoding="utf-8")
-        if not args.no_plot:
-            try:
-                from cluster.sim.plan import plot_sim_plan
-
-                written.append(plot_sim_plan(pr, path.with_suffix(".png")))
-            except ImportError:
-                print("baton plan: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
+        plot = None if args.no_plot else (lambda png: plot_sim_plan(pr, png))
+        written = write_plan_outputs(sim_plan_json(pr), md, path, plot)
         print(f"baton plan: wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0 if any(r.ok for r in pr.results) else 1
 
