@@ -120,8 +120,19 @@ class CostModel:
         return fit
 
     def _make_fit(self, worker: Any, attr: str, pool: Iterable[Any], prior: tuple[float, float]) -> _Fit:
-        pool = list(pool)
-        return _fit(worker, pool, prior, lambda w: self._own_fit(w, attr, pool))
+        memo, workers = self._memo, list(pool)
+        own = self._own_fit(worker, attr, workers)
+        if own is not None:
+            return _Fit(*own)
+        if memo is None:
+            return _fit(worker, workers, prior, lambda w: self._own_fit(w, attr, workers))
+        # a worker without a fit of its own borrows the pool's mean: in one decision the pool is
+        # one object, so the mean is made once, not once per such worker
+        key = ("borrowed", id(pool), attr, prior)
+        held = memo.get(key)
+        if held is None:  # the memo holds the pool too, so its id is not reused within the decision
+            held = memo[key] = (pool, _fit(worker, workers, prior, lambda w: self._own_fit(w, attr, workers)))
+        return held[1]
 
     def _own_fit(self, worker: Any, attr: str, pool: list[Any]) -> tuple[float, float] | None:
         """``worker``'s own fit of ``attr`` (pooled with its mates'), None where it has none yet."""

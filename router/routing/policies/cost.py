@@ -84,6 +84,10 @@ class CompletionCost(RoutingPolicy):
             evict_d = {d.worker_id: m.evict_s(d, request, candidates.matched(d), candidates.cached(d), pool)
                        for d in candidates.decode}
             penalty_d = {d.worker_id: m.room_penalty_s(d, request, candidates.matched(d)) for d in candidates.decode}
+            # per decode worker, what its side adds to a pair's price; the shipment depends on it
+            # only through the blocks it holds, so each prefill worker prices one per hit length
+            sides = [(d, candidates.matched(d), decode_s[d.worker_id], board_s[d.worker_id], evict_d[d.worker_id],
+                      penalty_d[d.worker_id]) for d in candidates.decode]
             for p in candidates.first:
                 hit_p = candidates.matched(p)
                 ttft = m.ttft_s(p, request, hit_p, pool)
@@ -91,15 +95,18 @@ class CompletionCost(RoutingPolicy):
                 work = (m.work_s(p, request, hit_p, pool)
                         + m.board_s(p, m.stepping_s(p, request.uncached(hit_p), 0, pool), pool)
                         + m.evict_s(p, dataclasses.replace(request, max_tokens=0), hit_p, candidates.cached(p), pool))
-                for d in candidates.decode:
-                    penalty = penalty_d[d.worker_id]
-                    cost = (ttft + work + m.ship_s(p, request, candidates.matched(d), pool) + decode_s[d.worker_id]
-                            + board_s[d.worker_id] + evict_d[d.worker_id] + penalty)
-                    options.append((cost, ttft, p, d, penalty))
+                head = ttft + work
+                shipped: dict[int, float] = {}  # by the decode worker's hit: head + the shipment
+                for d, hit_d, decoding, board, evict, penalty in sides:
+                    base = shipped.get(hit_d)
+                    if base is None:
+                        base = shipped[hit_d] = head + m.ship_s(p, request, hit_d, pool)
+                    options.append((base + decoding + board + evict + penalty, ttft, p, d, penalty))
             if self.conditional_disaggregation:
                 # each prefill worker's side of the gate, but for the tail it would compute anyway
                 lacks_p = [(p, m.queue_s(p, pool) + m.prefill_s(p, request.uncached(candidates.matched(p)), pool))
                            for p in candidates.first]
+                gates: dict[int, float] = {}  # the prefill pool's side, by the decode worker's hit
                 for d in candidates.decode:
                     hit_d = candidates.matched(d)
                     uncached = request.uncached(hit_d)
@@ -108,8 +115,11 @@ class CompletionCost(RoutingPolicy):
                     # and the part of the prompt it lacks beyond this tail (a prefix that decode
                     # workers still hold and no prefill worker does is not computed again there)
                     here = m.queue_s(d, pool) + m.prefill_s(d, uncached, pool) + m.decoding_s(d, uncached, pool)
-                    if here > min(lacks + m.ship_s(p, request, hit_d, pool) - m.prefill_s(p, uncached, pool)
-                                  for p, lacks in lacks_p):
+                    gate = gates.get(hit_d)
+                    if gate is None:
+                        gate = gates[hit_d] = min(lacks + m.ship_s(p, request, hit_d, pool)
+                                                  - m.prefill_s(p, uncached, pool) for p, lacks in lacks_p)
+                    if here > gate:
                         continue
                     ttft = m.ttft_s(d, request, hit_d, pool)
                     penalty = penalty_d[d.worker_id]
