@@ -121,8 +121,13 @@ class Grid:
 
     def at(self, row: float, col: float) -> float:
         """Bilinear inside the grid, linear beyond its edges; never below a microsecond."""
-        per_row = [_interp1(self.cols, r, col) for r in self.seconds]
-        return max(_interp1(self.rows, per_row, row), _MIN_S)
+        rows = self.rows
+        if len(rows) == 1:
+            return max(_interp1(self.cols, self.seconds[0], col), _MIN_S)
+        # only the two rows around ``row`` (the nearest two beyond the edges) take part
+        i = min(max(bisect.bisect_right(rows, row) - 1, 0), len(rows) - 2)
+        pair = [_interp1(self.cols, self.seconds[i + k], col) for k in (0, 1)]
+        return max(_interp1(rows[i:i + 2], pair, row), _MIN_S)
 
 
 @dataclass

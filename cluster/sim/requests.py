@@ -5,8 +5,9 @@ live; every other id is fresh."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
+
+import numpy as np
 
 from cluster.bench.runner import BenchConfig, schedule
 from cluster.bench.workload import RequestSpec, WorkloadError
@@ -37,16 +38,21 @@ class SimWorkload:
     users: int | None = None  # closed loop: this many users, each sending its next when one ends
 
 
-def _prompt(spec: RequestSpec, rng: random.Random, prefixes: dict[int, list[int]]) -> list[int]:
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(_FIRST_ID, _VOCAB, size=max(n, 0)).tolist()
+
+
+def _prompt(spec: RequestSpec, rng: np.random.Generator, prefixes: dict[int, list[int]]) -> list[int]:
     if spec.text is not None and not spec.prompt_len:
         length = max(len(spec.text.split()), 1)  # no tokenizer here: about a token a word
     else:
         length = spec.prompt_len
     head: list[int] = []
     if spec.prefix_group >= 0:
-        head = prefixes.setdefault(spec.prefix_group, [rng.randrange(_FIRST_ID, _VOCAB)
-                                                       for _ in range(spec.prefix_len)])
-    return head + [rng.randrange(_FIRST_ID, _VOCAB) for _ in range(length - len(head))]
+        if spec.prefix_group not in prefixes:
+            prefixes[spec.prefix_group] = _ids(rng, spec.prefix_len)
+        head = prefixes[spec.prefix_group]
+    return head + _ids(rng, length - len(head))
 
 
 def build_workload(cfg: BenchConfig) -> SimWorkload:
@@ -54,7 +60,7 @@ def build_workload(cfg: BenchConfig) -> SimWorkload:
     and schedule. Raises WorkloadError as the bench does."""
     specs = cfg.workload.build(cfg.num_prompts, cfg.seed)
     warm = cfg.workload.warmups(cfg.num_warmups, cfg.seed)
-    rng = random.Random(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
     prefixes: dict[int, list[int]] = {}
     prompts = [_prompt(s, rng, prefixes) for s in specs]
     warmups = [SimRequest(-1 - i, _prompt(s, rng, {}), s.output_len, None, True) for i, s in enumerate(warm)]
@@ -65,7 +71,7 @@ def build_workload(cfg: BenchConfig) -> SimWorkload:
         for spec, prompt in zip(specs, prompts):
             if spec.prefix_group >= 0 and spec.prefix_group not in seen:
                 seen.add(spec.prefix_group)
-                tail = [rng.randrange(_FIRST_ID, _VOCAB) for _ in range(len(prompt) - spec.prefix_len)]
+                tail = _ids(rng, len(prompt) - spec.prefix_len)
                 warmups.append(SimRequest(-1 - len(warmups), prompt[:spec.prefix_len] + tail, spec.output_len,
                                           None, True))
     offsets, mode = schedule(cfg, specs)
