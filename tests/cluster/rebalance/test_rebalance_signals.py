@@ -1,0 +1,92 @@
+"""The window the rebalancer reads: each pool's latency at the attainment quantile over its SLO,
+its load over its targets, and the request shape, over the last ``window_s`` seconds only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.rebalance.signals import RequestSample, SignalWindow, Targets, WorkerSample, quantile
+
+ROLES = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+
+
+def _req(at: float, ttft: float | None = 0.5, tpot: float | None = 0.05, prompt: int = 100, cached: int = 0,
+         out: int = 10) -> RequestSample:
+    return RequestSample(at, prompt, cached, out, ttft, tpot)
+
+
+def test_quantile_interpolates_between_order_statistics():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
+    assert quantile([4.0], 0.99) == 4.0
+    assert math.isnan(quantile([], 0.5))
+
+
+def test_each_pool_answers_for_its_own_slo_at_the_attainment_quantile():
+    w = SignalWindow(60.0, Targets(ttft_s=1.0, tpot_s=0.1, attainment=0.9))
+    for i in range(10):  # TTFTs 0.2 .. 2.0 s; TPOTs 0.01 .. 0.1 s
+        w.add_request(_req(float(i), ttft=0.2 * (i + 1), tpot=0.01 * (i + 1)))
+    s = w.signals(10.0, ROLES)
+    pre, dec = s.pools["prefill"], s.pools["decode"]
+    assert pre.latency_s == pytest.approx(quantile([0.2 * (i + 1) for i in range(10)], 0.9))
+    assert pre.latency_pressure == pytest.approx(pre.latency_s / 1.0)
+    assert pre.attainment == pytest.approx(0.5)  # 0.2 .. 1.0 within 1 s
+    assert dec.latency_pressure == pytest.approx(dec.latency_s / 0.1)
+    assert dec.attainment == pytest.approx(1.0)
+    assert (pre.workers, dec.workers) == (1, 2)
+
+
+def test_load_is_busy_over_utilization_and_for_the_keeping_pool_kv_over_its_high_mark():
+    w = SignalWindow(60.0, Targets(utilization=0.8, kv_high=0.9))
+    w.add_poll(WorkerSample(1.0, "prefill-0", "prefill", 0.4, 0.99, 0, 0))  # a full prefill cache is no shortage
+    w.add_poll(WorkerSample(1.0, "decode-0", "decode", 0.2, 0.45, 0, 3))
+    w.add_poll(WorkerSample(1.0, "decode-1", "decode", 0.2, 0.45, 1, 3))
+    s = w.signals(2.0, ROLES)
+    assert s.pools["prefill"].load_pressure == pytest.approx(0.4 / 0.8)
+    assert s.pools["decode"].load_pressure == pytest.approx(0.45 / 0.9)  # KV, not busy (0.25), bounds it
+    assert s.pools["decode"].waiting == pytest.approx(0.5)
+    assert s.pools["decode"].projected(1) == pytest.approx(2 * 0.45 / 0.9)
+    assert s.pools["decode"].projected(0) == math.inf
+
+
+def test_samples_older_than_the_window_drop_out():
+    w = SignalWindow(10.0)
+    w.add_request(_req(0.0, prompt=5000))
+    w.add_poll(WorkerSample(0.0, "prefill-0", "prefill", 1.0, 0.0, 9, 0))
+    for i in range(4):
+        w.add_request(_req(20.0 + i, prompt=100, cached=40, out=7))
+    s = w.signals(25.0, ROLES)
+    assert s.requests == 4 and s.arrival_rate == pytest.approx(0.4)
+    assert (s.prompt_p50, s.prompt_p90, s.uncached_p90, s.output_p90) == (100, 100, 60, 7)
+    assert s.pools["prefill"].busy_fraction == 0.0
+
+
+def test_a_workers_polls_from_its_old_role_do_not_count_for_its_new_one():
+    w = SignalWindow(60.0)
+    w.add_poll(WorkerSample(1.0, "decode-1", "prefill", 1.0, 0.0, 5, 0))  # before its flip to decode
+    w.add_poll(WorkerSample(2.0, "decode-1", "decode", 0.1, 0.1, 0, 1))
+    s = w.signals(3.0, ROLES)
+    assert s.pools["decode"].busy_fraction == pytest.approx(0.1)
+    assert s.pools["prefill"].busy_fraction == 0.0
+
+
+def test_a_colocated_pool_answers_for_the_slo_further_off():
+    w = SignalWindow(60.0, Targets(ttft_s=1.0, tpot_s=0.1, attainment=0.5))
+    for i in range(3):
+        w.add_request(_req(float(i), ttft=0.5, tpot=0.3))
+    s = w.signals(5.0, {"colocated-0": "colocated"})
+    assert s.pools["colocated"].latency_pressure == pytest.approx(3.0)  # TPOT 0.3 s over 0.1 s
+    assert s.pools["colocated"].latency_s == pytest.approx(0.3)
+
+
+def test_a_pool_without_requests_has_no_latency_part():
+    s = SignalWindow(60.0).signals(1.0, ROLES)
+    assert s.requests == 0 and s.pools["prefill"].latency_pressure is None
+    assert s.pools["prefill"].pressure == 0.0
+
+
+def test_a_window_must_be_positive():
+    with pytest.raises(ValueError, match="window_s"):
+        SignalWindow(0.0)
