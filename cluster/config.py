@@ -240,6 +240,59 @@ class RecoverySection(BaseModel):
                              self.restart_backoff_s, self.restart_max_backoff_s)
 
 
+class RebalanceSection(BaseModel):
+    """The controller's pool rebalancing (``cluster.rebalance``): when a pool is short and the other
+    has room, a worker of the other changes role. Carried out by ``baton plan sim`` today; ``baton
+    serve`` refuses ``enabled = true`` until live role flips land."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    dry_run: bool = Field(False, description="decide and log, change nothing")
+    interval_s: float = Field(10.0, gt=0, description="seconds between decisions")
+    window_s: float = Field(60.0, gt=0, description="the signals' sliding window")
+    cooldown_s: float = Field(60.0, ge=0, description="no decision acts this soon after an action")
+    min_dwell_s: float = Field(120.0, ge=0, description="a worker keeps a role at least this long")
+    max_actions_per_window: int = Field(1, ge=0)
+    min_requests: int = Field(20, ge=0, description="finished requests the window needs before acting")
+    enter: float = Field(1.0, gt=0, description="pressure above which a pool is short")
+    slack: float = Field(0.7, gt=0, description="a pool gives up a worker only if it stays below this "
+                         "pressure with one fewer")
+    ttft_target_s: float = Field(2.0, gt=0, description="the prefill pool's SLO")
+    tpot_target_s: float = Field(0.1, gt=0, description="the decode pool's SLO")
+    attainment: float = Field(0.9, gt=0, le=1, description="share of requests that must meet each SLO")
+    utilization: float = Field(0.8, gt=0, le=1, description="busy fraction a pool may average")
+    kv_high: float = Field(0.9, gt=0, le=1, description="KV usage above which the decode pool is short")
+    min_prefill: int = Field(1, ge=1)
+    min_decode: int = Field(1, ge=1)
+    max_prefill: int | None = Field(None, ge=1)
+    max_decode: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RebalanceSection:
+        if not self.slack < self.enter:
+            raise ValueError(f"rebalance: slack ({self.slack}) must be below enter ({self.enter})")
+        for role in ("prefill", "decode"):
+            hi, lo = getattr(self, f"max_{role}"), getattr(self, f"min_{role}")
+            if hi is not None and hi < lo:
+                raise ValueError(f"rebalance: max_{role} ({hi}) is below min_{role} ({lo})")
+        return self
+
+    def policy(self) -> Any:
+        from cluster.rebalance.decide import RebalancePolicy
+
+        return RebalancePolicy(window_s=self.window_s, cooldown_s=self.cooldown_s, min_dwell_s=self.min_dwell_s,
+                               max_actions_per_window=self.max_actions_per_window, min_requests=self.min_requests,
+                               enter=self.enter, slack=self.slack,
+                               min_workers={"prefill": self.min_prefill, "decode": self.min_decode},
+                               max_workers={"prefill": self.max_prefill, "decode": self.max_decode})
+
+    def targets(self) -> Any:
+        from cluster.rebalance.signals import Targets
+
+        return Targets(ttft_s=self.ttft_target_s, tpot_s=self.tpot_target_s, attainment=self.attainment,
+                       utilization=self.utilization, kv_high=self.kv_high)
+
+
 class RaySection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str | None = None  # None: start a local Ray instance; "auto": join a cluster
@@ -250,7 +303,7 @@ class RaySection(BaseModel):
 
 class ClusterConfig(BaseModel):
     """The whole file: ``[engine]``, ``[pools]``, ``[kv_transfer]``, ``[server]``, ``[router]``,
-    ``[admission]``, ``[usage]``, ``[recovery]``, ``[ray]``."""
+    ``[admission]``, ``[usage]``, ``[recovery]``, ``[rebalance]``, ``[ray]``."""
 
     model_config = ConfigDict(extra="forbid")
     engine: EngineSection = EngineSection()
@@ -261,6 +314,7 @@ class ClusterConfig(BaseModel):
     admission: AdmissionSection = AdmissionSection()
     usage: UsageSection = UsageSection()
     recovery: RecoverySection = RecoverySection()
+    rebalance: RebalanceSection = RebalanceSection()
     ray: RaySection = RaySection()
 
     @property

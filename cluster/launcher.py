@@ -12,7 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.front.workers import WorkerRef
 from cluster.restarts import WorkerSpec
 from kernels import capabilities
@@ -199,6 +199,9 @@ class Cluster:
     """The worker actors of one deployment. ``start`` blocks until every worker has loaded its model."""
 
     def __init__(self, config: ClusterConfig) -> None:
+        if config.rebalance.enabled:  # refused, not ignored: nothing here carries the decisions out yet
+            raise ConfigError("rebalance.enabled: a live deployment does not change worker roles yet; "
+                              "`baton plan sim --config FILE` simulates the rebalancer")
         self.config = config
         self.workers: list[WorkerRef] = []
         self.controller: Any = None

@@ -78,13 +78,16 @@ class FrontRouter:
         request's id in the decision log.
         """
         alive = [w for w in workers if w.alive]
+        # a draining worker takes no new request (it still counts for its prefixes), but one whose
+        # KV room stage 2 reserved before the drain began still goes to it
+        open_ = [w for w in alive if not w.draining or w.worker_id == keeper]
         if self.colocated:
-            first, decode = [w for w in alive if w.role == "colocated" and keeper in (None, w.worker_id)], []
+            first, decode = [w for w in open_ if w.role == "colocated" and keeper in (None, w.worker_id)], []
             if not first:
                 raise OverloadedError("no colocated worker is alive", retry_after_s=5.0)
         else:
-            first = [w for w in alive if w.role == "prefill"]
-            decode = [w for w in alive if w.role == "decode" and keeper in (None, w.worker_id)]
+            first = [w for w in open_ if w.role == "prefill"]
+            decode = [w for w in open_ if w.role == "decode" and keeper in (None, w.worker_id)]
             if not first or not decode:
                 raise OverloadedError("a pool has no live worker", retry_after_s=5.0)
         hashes = self.prompt_hashes(prompt_token_ids, salt)

@@ -22,6 +22,7 @@ class WorkerRef:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     alive: bool = True
     incarnation: int = 0  # how many times the controller has restarted it (a new actor each time)
+    draining: bool = False  # the rebalancer is moving it: it finishes its requests, takes no new ones
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ Plain code (no Ray, sockets or clocks of its own): the controller and the simula
 samples they have and read ``Signals`` when they decide. Each pool's ``pressure`` is one number,
 1.0 at its target: above it the pool is short of capacity, below it the pool has room. It is the
 larger of the latency part (the pool's latency at the attainment quantile over its SLO: TTFT for
-prefill, TPOT for decode) and the load part (busy fraction over the utilization target, and for
-the pool that keeps KV, KV usage over its high-water mark). The load part scales with the pool's
-size, so the rebalancer can project what removing or adding a worker would do to it; the latency
-part tells that a pool is short before its load shows it (queues and cold caches).
+prefill, TPOT for decode, the worse of both colocated) and the load part (for prefill, the busy
+fraction over the utilization target; for the pools that keep KV until the last token, KV usage
+over its high-water mark: a decode worker is busy whenever one sequence runs, so its busy time
+says nothing of its room). The load part scales with the pool's size, so the rebalancer can
+project what removing or adding a worker would do to it; the latency part tells that a pool is
+short before its load shows it (queues, batches grown past the TPOT target).
 """
 
 from __future__ import annotations
@@ -163,9 +165,9 @@ class SignalWindow:
         busy = sum(p.busy_fraction for p in polls) / len(polls) if polls else 0.0
         kv = sum(p.kv_usage for p in polls) / len(polls) if polls else 0.0
         waiting = sum(p.waiting for p in polls) / len(polls) if polls else 0.0
-        load = busy / t.utilization
-        if role != "prefill":  # the pool that keeps the KV until the last token
-            load = max(load, kv / t.kv_high)
+        # a prefill worker's busy time is its prompts' work, so it measures how full the pool is;
+        # a decode worker steps whenever one sequence runs, so there KV room is the measure
+        load = busy / t.utilization if role == "prefill" else kv / t.kv_high
         worst: tuple[float, float, float] | None = None  # (pressure, latency, attainment)
         for latencies, slo in slos:
             if not latencies or not slo > 0:

@@ -71,6 +71,7 @@ class SimFront:
         self.t0 = 0.0
         self._by_wire: dict[str, _Flight] = {}
         self._in_flight = 0
+        self.on_finished: list[Callable[[RequestRecord], None]] = []  # each measured or warm-up record, at its end
         for w in workers:
             w.emit = self._deliver
         # Both loops run as long as the simulation does (the run stops once the client is done).
@@ -110,7 +111,14 @@ class SimFront:
 
     def _keepers(self) -> list[str]:
         role = "colocated" if self.colocated else "decode"
-        return [w.worker_id for w in self.refs.values() if w.alive and w.role == role]
+        return [w.worker_id for w in self.refs.values() if w.alive and not w.draining and w.role == role]
+
+    def set_role(self, worker_id: str, role: str) -> None:
+        """A drained worker takes ``role`` and is open to new requests again."""
+        self.sims[worker_id].set_role(role)
+        ref = self.refs[worker_id]
+        ref.role, ref.draining = role, False
+        ref.info = self.sims[worker_id].info()
 
     def _admit(self, flight: _Flight, decision: Decision, hashes: list[bytes]) -> None:
         """Stage 2 as ``PoolClient._admit`` runs it, the queue on the virtual clock."""
@@ -219,6 +227,8 @@ class SimFront:
                         self.sims[wid].submit(lambda w=self.sims[wid]: w.core.abort_request(flight.wire_id))
             if self.admission is not None:
                 self.admission.release(flight.wire_id)
+        for fn in self.on_finished:
+            fn(rec)
         for fn in flight.on_done:
             fn()
 

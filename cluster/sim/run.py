@@ -49,6 +49,7 @@ class SimResult:
     events: int
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     admission_blocks_held: int = 0  # reservations not released at the end (zero after a full run)
+    rebalance: dict[str, Any] | None = None  # the rebalancer's flips and decisions, where it ran
 
 
 def _roles(layout: Layout) -> list[str]:
@@ -166,13 +167,24 @@ def simulate(config: ClusterConfig, layout: Layout, bench: BenchConfig, profile:
     workers = build_workers(loop, config, layout, profile, hardware)
     eng = workers[0].core
     limits = RequestLimits(eng.vocab_size, eng.max_model_len, eng.block_manager.num_blocks, eng.config.block_size)
-    keepers = [w for w in workers if w.role in ("decode", "colocated")]
+    rebalancing = config.rebalance.enabled and not layout.colocated
+    # a worker the rebalancer may turn into a decode worker keeps KV then: every one has a ledger
+    keepers = [w for w in workers if rebalancing or w.role in ("decode", "colocated")]
     admission = kv_admission(config.admission, {w.worker_id: w.core.block_manager.num_blocks for w in keepers},
                              eng.config.block_size, clock=loop.clock)
     router = config.router
     front = SimFront(loop, workers, limits, router.make_policy(seed), admission,
                      max_queued=config.server.max_queued_requests, events_interval_s=router.events_interval_s,
                      index_ttl_s=router.index_ttl_s, request_delay_s=profile.host.per_request_s)
+    rebalance = None
+    if rebalancing:
+        from cluster.rebalance.decide import Rebalancer
+        from cluster.rebalance.signals import SignalWindow
+        from cluster.sim.rebalance import SimRebalance
+
+        rb = config.rebalance
+        rebalance = SimRebalance(loop, front, Rebalancer(rb.policy()), SignalWindow(rb.window_s, rb.targets()),
+                                 rb.interval_s, rb.dry_run)
     workload = build_workload(bench)
     client = _Client(loop, front, workload, bench.max_concurrency if workload.users is None else None)
     loop.at(0.0, client.start)
@@ -183,7 +195,7 @@ def simulate(config: ClusterConfig, layout: Layout, bench: BenchConfig, profile:
     records = sorted(client.records, key=lambda r: r.index)
     duration = max((r.t_end for r in records if not math.isnan(r.t_end)), default=0.0)
     summary = summarize(records, duration, bench.slo, bench.percentiles)
-    per_worker = {w.worker_id: {"role": w.role, "steps": w.core.num_steps, "busy_s": w.core.busy_seconds,
+    per_worker = {w.worker_id: {"role": w.role, "started_as": role, "steps": w.core.num_steps, "busy_s": w.core.busy_seconds,
                                 "preemptions": w.core.scheduler.num_preemptions,
                                 "prefill_tokens": w.core.num_prefill_tokens_computed,
                                 "decode_tokens": w.core.num_decode_tokens_computed,
@@ -192,6 +204,7 @@ def simulate(config: ClusterConfig, layout: Layout, bench: BenchConfig, profile:
                                 "blocks_held": w.core.block_manager.num_blocks - w.core.block_manager.num_free_blocks,
                                 "requests_left": len(w.core.scheduler.requests) + len(w.core.paused), "parked": len(w.core.parked),
                                 "incoming": len(w.core.incoming)}
-                  for w in workers}
+                  for w, role in zip(workers, _roles(layout))}
     held = sum(ledger.reserved_blocks for ledger in admission.ledgers.values()) if admission else 0
-    return SimResult(summary, records, time.perf_counter() - started, loop.events_run, per_worker, held)
+    return SimResult(summary, records, time.perf_counter() - started, loop.events_run, per_worker, held,
+                     rebalance.report() if rebalance is not None else None)

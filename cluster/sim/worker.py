@@ -87,6 +87,18 @@ class SimWorker:
                                        if board is not None else None)}
         return out
 
+    def idle(self) -> bool:
+        """Nothing left on the engine: no request scheduled, paused, parked for shipping or arriving."""
+        c = self.core
+        return not (c.scheduler.requests or c.paused or c.parked or c.incoming or self._inbox or self._turn_inbox)
+
+    def set_role(self, role: str) -> None:
+        """Change role in place (an idle worker: the rebalancer drained it), the cache kept."""
+        if not self.idle():
+            raise RuntimeError(f"{self.worker_id} is not idle: a role changes only on a drained worker")
+        self.role = role
+        self._decode_target.clear()
+
     # ------------------------------------------------------------------ requests (the front's calls)
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float, decode_worker: str | None = None, priority: int = 0,

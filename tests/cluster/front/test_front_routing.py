@@ -86,6 +86,25 @@ def test_the_keeper_restricts_the_decode_worker_and_dead_workers_are_never_chose
         router.route(workers, [1, 2, 3], None, SamplingParams())
 
 
+def test_a_draining_worker_takes_no_new_request_but_its_keepers_reservation_and_its_prefixes_hold():
+    workers = _workers(["prefill", "prefill", "decode", "decode"])
+    router = _router(workers, policy="prefix")
+    prompt = list(range(1, 41))
+    for w in workers:
+        router.apply_events(w.worker_id, (_computed(prompt) if w.worker_id == "prefill-1" else KVEventLog()).since(None, 0))
+    workers[1].draining = workers[3].draining = True
+    for _ in range(4):
+        d, _ = router.route(workers, prompt + [99], None, SamplingParams(max_tokens=4))
+        assert (d.first.worker_id, d.decode.worker_id) == ("prefill-0", "decode-0")
+    # stage 2 reserved room on decode-1 before its drain began: the request still goes there
+    d, _ = router.route(workers, prompt + [99], None, SamplingParams(max_tokens=4), keeper="decode-1")
+    assert d.decode.worker_id == "decode-1"
+    assert router.index.match(["prefill-1"], router.prompt_hashes(prompt + [99], None), 0.0)["prefill-1"] == 5
+    workers[0].draining = True
+    with pytest.raises(OverloadedError, match="a pool has no live worker"):
+        router.route(workers, [1, 2, 3], None, SamplingParams())
+
+
 def test_a_colocated_pool_with_no_live_worker_is_overloaded():
     workers = _workers(["colocated", "colocated"])
     router = _router(workers, policy="least_loaded")

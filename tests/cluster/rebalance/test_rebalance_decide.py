@@ -142,9 +142,9 @@ def test_bounds_dwell_cooldown_and_the_cap_hold_over_any_sequence(steps, n_p, n_
 
 
 class _Plant:
-    """A cluster in a closed loop: each pool's work (worker-seconds a second) spread over its
-    workers gives their busy fraction; latency grows as a pool nears saturation. The window and
-    the rebalancer see only the samples this makes, every 10 s."""
+    """A cluster in a closed loop: each pool's work spread over its workers gives how full they
+    are (prefill: busy fraction; decode: KV usage); latency grows as a pool nears saturation. The
+    window and the rebalancer see only the samples this makes, every 10 s."""
 
     def __init__(self, roles: dict[str, str], policy: RebalancePolicy) -> None:
         self.roles = dict(roles)
@@ -164,7 +164,9 @@ class _Plant:
             t += 10.0
             busy = {role: min(work[role] / max(self.count(role), 1), 1.0) for role in work}
             for w, role in self.roles.items():
-                self.window.add_poll(WorkerSample(t, w, role, busy[role], 0.1, 0, 1))
+                full = busy[role] * self.targets.kv_high / self.targets.utilization  # the same pressure
+                self.window.add_poll(WorkerSample(t, w, role, busy[role] if role == "prefill" else 1.0,
+                                                  0.1 if role == "prefill" else full, 0, 1))
             ttft = 0.3 / max(1.0 - busy["prefill"], 0.05)
             tpot = 0.03 / max(1.0 - busy["decode"], 0.05)
             for i in range(10):

@@ -38,14 +38,15 @@ def test_each_pool_answers_for_its_own_slo_at_the_attainment_quantile():
     assert (pre.workers, dec.workers) == (1, 2)
 
 
-def test_load_is_busy_over_utilization_and_for_the_keeping_pool_kv_over_its_high_mark():
+def test_load_is_prefills_busy_time_and_the_decode_pools_kv_room():
     w = SignalWindow(60.0, Targets(utilization=0.8, kv_high=0.9))
     w.add_poll(WorkerSample(1.0, "prefill-0", "prefill", 0.4, 0.99, 0, 0))  # a full prefill cache is no shortage
-    w.add_poll(WorkerSample(1.0, "decode-0", "decode", 0.2, 0.45, 0, 3))
-    w.add_poll(WorkerSample(1.0, "decode-1", "decode", 0.2, 0.45, 1, 3))
+    w.add_poll(WorkerSample(1.0, "decode-0", "decode", 1.0, 0.45, 0, 3))  # stepping all the time, half full
+    w.add_poll(WorkerSample(1.0, "decode-1", "decode", 1.0, 0.45, 1, 3))
     s = w.signals(2.0, ROLES)
     assert s.pools["prefill"].load_pressure == pytest.approx(0.4 / 0.8)
-    assert s.pools["decode"].load_pressure == pytest.approx(0.45 / 0.9)  # KV, not busy (0.25), bounds it
+    assert s.pools["decode"].load_pressure == pytest.approx(0.45 / 0.9)
+    assert s.pools["decode"].busy_fraction == pytest.approx(1.0)
     assert s.pools["decode"].waiting == pytest.approx(0.5)
     assert s.pools["decode"].projected(1) == pytest.approx(2 * 0.45 / 0.9)
     assert s.pools["decode"].projected(0) == math.inf
