@@ -85,7 +85,8 @@ def _run_case(job: tuple[ClusterConfig, SimCase, BenchConfig, dict[str, Any], Si
                        hardware, seed=seed)
     except Exception as exc:  # a case that cannot run is a result, not the end of the plan
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"summary": res.summary, "wall_s": res.wall_s, "events": res.events, "workers": res.workers}
+    return {"summary": res.summary, "wall_s": res.wall_s, "events": res.events, "workers": res.workers,
+            "rebalance": res.rebalance}
 
 
 def run_sim_plan(base: ClusterConfig, cases: list[SimCase], bench: BenchConfig, profile: Any,
@@ -183,6 +184,12 @@ def sim_plan_markdown(pr: SimPlanResult) -> str:
                      f"{_cell(s, 'p99_ttft_ms', '.0f')} | {_cell(s, 'median_tpot_ms', '.1f')} | "
                      f"{_cell(s, 'p99_tpot_ms', '.1f')} | {_cell(s, 'p99_itl_ms', '.1f')} | {s['completed']} | "
                      f"{s['failed']} |")
+    flips = [(name, sim["rebalance"]["flips"]) for name, sim in zip(pr.names, pr.sims)
+             if (sim.get("rebalance") or {}).get("flips")]
+    if any(sim.get("rebalance") for sim in pr.sims):
+        lines += ["", "Rebalancer role flips (simulated seconds from the first measured request):"]
+        lines += [f"- {name}: " + ", ".join(f"{f['worker_id']} {f['from_role']} -> {f['to_role']} at "
+                                            f"{f['decided_s']:.0f} s" for f in fl) for name, fl in flips] or ["- none"]
     return "\n".join(lines) + "\n"
 
 
