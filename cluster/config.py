@@ -242,8 +242,9 @@ class RecoverySection(BaseModel):
 
 class RebalanceSection(BaseModel):
     """The controller's pool rebalancing (``cluster.rebalance``): when a pool is short and the other
-    has room, a worker of the other changes role. Carried out by ``baton plan sim`` today; ``baton
-    serve`` refuses ``enabled = true`` until live role flips land."""
+    has room, a worker of the other changes role. The decisions are carried out by ``baton plan
+    sim`` today; ``baton serve`` refuses ``enabled = true`` until the controller runs them (its
+    flips, ``GlobalController.flip``, follow ``drain_grace_s`` and ``drain_timeout_s``)."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
@@ -266,6 +267,11 @@ class RebalanceSection(BaseModel):
     min_decode: int = Field(1, ge=1)
     max_prefill: int | None = Field(None, ge=1)
     max_decode: int | None = Field(None, ge=1)
+    drain_grace_s: float | None = Field(None, ge=0, description="a drained worker changes role no sooner "
+                                        "than this after its drain began (fronts route on their last view); "
+                                        "None: three controller intervals, at least 2 s")
+    drain_timeout_s: float = Field(600.0, gt=0, description="a flip whose worker has not drained by then "
+                                   "is given up")
 
     @model_validator(mode="after")
     def _consistent(self) -> RebalanceSection:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from cluster.restarts import RestartHistory, RestartPolicy, WorkerSpec
@@ -40,6 +40,10 @@ class Member:
     restarting: bool = False
     restart_at: float | None = None  # when the next restart is due (monotonic), if one is
     quarantined: bool = False
+    draining: bool = False  # a role flip is under way: fronts send it no new request
+    to_role: str | None = None  # the role it flips to once drained
+    drain_since: float | None = None  # when the flip began (monotonic)
+    role_since: float = 0.0  # when it took its role (monotonic): start, or its last flip
 
 
 class GlobalController:
@@ -47,8 +51,14 @@ class GlobalController:
 
     def __init__(self, max_waiting: int, interval_s: float = 1.0, timeout_s: float = 5.0,
                  failure_threshold: int = 2, restart: RestartPolicy | None = None,
-                 start_timeout_s: float = 300.0, members: list[tuple[WorkerSpec, Any]] | None = None) -> None:
+                 start_timeout_s: float = 300.0, members: list[tuple[WorkerSpec, Any]] | None = None,
+                 drain_grace_s: float | None = None, drain_timeout_s: float = 600.0) -> None:
         self.max_waiting = max_waiting
+        # A front routes on the last snapshot it read (one a stats interval): a drained worker
+        # changes role only once every front has seen it draining and what they sent has arrived.
+        self.drain_grace_s = drain_grace_s if drain_grace_s is not None else max(3 * interval_s, 2.0)
+        self.drain_timeout_s = drain_timeout_s
+        self.flips: list[dict[str, Any]] = []  # the role flips carried out (or given up), oldest first
         self.interval_s, self.timeout_s, self.failure_threshold = interval_s, timeout_s, failure_threshold
         self.restart_policy = restart or RestartPolicy()
         self.start_timeout_s = start_timeout_s  # a restarted worker loads its model within this
@@ -70,7 +80,8 @@ class GlobalController:
         """Watch a worker; with ``spec`` it is restarted when it dies."""
         with self._lock:
             self._handles[worker_id] = handle
-            self._members[worker_id] = Member(worker_id, role, last_seen=time.monotonic())
+            now = time.monotonic()
+            self._members[worker_id] = Member(worker_id, role, last_seen=now, role_since=now)
             self._history[worker_id] = RestartHistory(self.restart_policy)
             if spec is not None:
                 self._specs[worker_id] = spec
@@ -81,8 +92,10 @@ class GlobalController:
         """Members with their last stats, plus whether the cluster should refuse new work now."""
         with self._lock:
             members = {wid: asdict(m) for wid, m in self._members.items()}
+            flips = list(self.flips[-16:])
         waiting = sum(int(m["stats"].get("num_waiting", 0)) for m in members.values() if m["alive"])
-        return {"members": members, "num_waiting": waiting, "overloaded": waiting >= self.max_waiting}
+        return {"members": members, "num_waiting": waiting, "overloaded": waiting >= self.max_waiting,
+                "flips": flips}
 
     def worker(self, worker_id: str) -> tuple[int, Any, dict[str, Any]]:
         """The worker's current incarnation, actor handle and ``info`` (fronts adopt restarts)."""
@@ -93,6 +106,27 @@ class GlobalController:
         """Every worker's current actor handle (restarts replace them): for shutting down."""
         with self._lock:
             return dict(self._handles)
+
+    def flip(self, worker_id: str, role: str) -> None:
+        """Begin moving a worker to ``role`` (prefill <-> decode): fronts stop sending it new
+        requests; once its own finish (or move) and the grace has passed, it changes role in
+        place. Raises ValueError for a flip that cannot be made (naming why)."""
+        with self._lock:
+            m = self._members.get(worker_id)
+            if m is None:
+                raise ValueError(f"unknown worker {worker_id!r}")
+            if {m.role, role} != {"prefill", "decode"}:
+                raise ValueError(f"a role flip is between prefill and decode; {worker_id} is {m.role}, "
+                                 f"asked for {role!r}")
+            if not m.alive or m.restarting or m.draining:
+                raise ValueError(f"{worker_id} cannot flip now (alive={m.alive}, restarting={m.restarting}, "
+                                 f"draining={m.draining})")
+            left = [o for o in self._members.values() if o.role == m.role and o.alive and not o.draining
+                    and o is not m]
+            if not left:
+                raise ValueError(f"{worker_id} is the last live {m.role} worker")
+            m.draining, m.to_role, m.drain_since = True, role, time.monotonic()
+        log.info("worker %s: draining to become a %s worker", worker_id, role)
 
     def mark_dead(self, worker_id: str, incarnation: int | None = None) -> None:
         """A front saw the worker fail: stop routing to it without waiting for the next check.
@@ -109,6 +143,10 @@ class GlobalController:
     def _died(self, m: Member, why: str) -> None:
         """The member is dead (lock held): schedule its restart, or quarantine it."""
         m.alive = False
+        if m.draining:  # its requests move as any dead worker's do; it comes back in its old role
+            self.flips.append({"worker_id": m.worker_id, "from_role": m.role, "to_role": m.to_role,
+                               "given_up": "died", "at": time.time()})
+            m.draining, m.to_role, m.drain_since = False, None, None
         now = time.monotonic()
         delay = self._history[m.worker_id].died(now) if m.worker_id in self._specs else None
         if delay is not None:
@@ -156,6 +194,45 @@ class GlobalController:
         while not self._stop.wait(self.interval_s):
             self._check()
             self._restart_due()
+            self._flips_due()
+
+    def _flips_due(self) -> None:
+        """Carry out the flips whose workers have drained: the worker refuses while it holds any
+        request, so an answer of False means wait; a dead worker or a drain past its timeout
+        gives the flip up."""
+        import ray
+
+        now = time.monotonic()
+        with self._lock:
+            due = [(m.worker_id, m.to_role, self._handles[m.worker_id]) for m in self._members.values()
+                   if m.draining and now - (m.drain_since or now) >= self.drain_grace_s]
+        for wid, role, handle in due:
+            try:
+                changed = bool(ray.get(handle.set_role.remote(role), timeout=self.timeout_s))
+            except Exception as exc:  # dead or unreachable: the health checks deal with it
+                log.warning("worker %s: role flip to %s failed: %r", wid, role, exc)
+                changed = False
+            with self._lock:
+                m = self._members[wid]
+                if not m.draining:
+                    continue
+                waited = time.monotonic() - (m.drain_since or now)
+                if changed:
+                    old, m.role, m.role_since = m.role, role, time.monotonic()
+                    spec = self._specs.get(wid)
+                    if spec is not None:  # a restart brings it back in its new role
+                        self._specs[wid] = replace(spec, role=role, args=(spec.args[0], role, *spec.args[2:]))
+                    self.flips.append({"worker_id": wid, "from_role": old, "to_role": role,
+                                       "drained_s": round(waited, 3), "at": time.time()})
+                    log.info("worker %s is now a %s worker (drained in %.1fs)", wid, role, waited)
+                elif m.alive and waited < self.drain_timeout_s:
+                    continue
+                else:
+                    self.flips.append({"worker_id": wid, "from_role": m.role, "to_role": role,
+                                       "given_up": "died" if not m.alive else "drain timed out",
+                                       "at": time.time()})
+                    log.warning("worker %s: role flip to %s given up", wid, role)
+                m.draining, m.to_role, m.drain_since = False, None, None
 
     def _check(self) -> None:
         import ray

@@ -295,7 +295,9 @@ class Cluster:
             **named, **({"lifetime": "detached"} if named else {}), num_cpus=0, max_concurrency=8,
             scheduling_strategy=here, max_restarts=-1,
         ).remote(self.config.server.max_queued_requests, restart=self.config.recovery.restart_policy(),
-                 members=[(specs[w.worker_id], w.handle) for w in self.workers])
+                 members=[(specs[w.worker_id], w.handle) for w in self.workers],
+                 drain_grace_s=self.config.rebalance.drain_grace_s,
+                 drain_timeout_s=self.config.rebalance.drain_timeout_s)
         ray.get(self.controller.snapshot.remote())
 
     def actor_name(self, name: str) -> dict[str, Any]:

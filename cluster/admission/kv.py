@@ -208,6 +208,12 @@ class KVAdmission:
         self._releases: deque[tuple[float, int]] = deque()  # (when, blocks) for the drain rate
         self._released = 0
 
+    def ensure_ledger(self, worker_id: str, blocks: int) -> None:
+        """A ledger for a worker that now keeps KV (a prefill worker flipped to decode)."""
+        if worker_id not in self.ledgers:
+            self.ledgers[worker_id] = ReservationLedger(max(1, int(blocks * self._share)))
+            self._report_ledger(worker_id)
+
     # ------------------------------------------------------------------ sizing
     def blocks_for(self, demand: KVDemand, max_tokens: int | None = None, n: int | None = None) -> int:
         """The worst-case blocks of ``demand`` with an output budget of ``max_tokens`` per sample

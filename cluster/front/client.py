@@ -77,7 +77,7 @@ class PoolClient:
                                   metrics, DecisionLog(decision_log, self.front_id) if decision_log else None)
         self.controller = controller  # GlobalController handle, or None to ask workers directly
         self.sync = PoolSync(self.workers, self.router, controller, self._mark_dead, self._adopt, on_stats,
-                             events_interval_s)
+                             events_interval_s, on_role=self._role_changed)
         self.links = WorkerLinks(self.front_id, self._deliver, self._mark_dead)
         self.admission = admission  # cluster.admission.kv.KVAdmission: stage 2, or None to admit all
         self.max_migrations, self.migration_wait_s = max_migrations, migration_wait_s
@@ -276,7 +276,8 @@ class PoolClient:
         budget = output_budget(self.limits, len(prompt_token_ids), params)
         demand = stage2.kv_demand(wire_id, ticket, len(prompt_token_ids), budget, params, priority, hashes)
         held = await self.admission.reserve(
-            demand, lambda: [w.worker_id for w in self.workers.values() if w.alive and w.role == role],
+            demand, lambda: [w.worker_id for w in self.workers.values()
+                             if w.alive and not w.draining and w.role == role],
             lambda: keeper.worker_id if keeper.alive else None)
         params = stage2.grant(held, params, ticket, len(prompt_token_ids), charge, request_id or wire_id)
         if stage2.stale_route(held, decision):
@@ -396,6 +397,12 @@ class PoolClient:
             if w is not None and w.alive:
                 for wire in set(stream.wires.values()):
                     w.handle.set_paused.remote(wire, paused, stream.flow_seq)
+
+    def _role_changed(self, w: WorkerRef, old: str) -> None:
+        """A flipped worker that now keeps KV needs a ledger for stage 2."""
+        log.info("front %s: %s is now a %s worker (was %s)", self.front_id, w.worker_id, w.role, old)
+        if self.admission is not None and w.role == "decode":
+            self.admission.ensure_ledger(w.worker_id, int(w.info.get("num_blocks", 0)))
 
     async def _adopt(self, w: WorkerRef) -> None:
         """The controller restarted ``w``: route to the new actor and take its deltas."""

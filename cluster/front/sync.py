@@ -27,13 +27,15 @@ class PoolSync:
 
     def __init__(self, workers: dict[str, WorkerRef], router: FrontRouter, controller: Any,
                  on_dead: Callable[[WorkerRef, BaseException], None], adopt: Callable[[WorkerRef], Awaitable[None]],
-                 on_stats: Callable[[WorkerRef, Any], None] | None = None, events_interval_s: float = 0.25) -> None:
+                 on_stats: Callable[[WorkerRef, Any], None] | None = None, events_interval_s: float = 0.25,
+                 on_role: Callable[[WorkerRef, str], None] | None = None) -> None:
         self.workers = workers
         self.router = router
         self.controller = controller
         self.on_dead = on_dead
         self.adopt = adopt
         self.on_stats = on_stats
+        self.on_role = on_role  # (worker, its old role) after the controller flipped it
         self.events_interval_s = events_interval_s
         self.overloaded = False  # the controller says the cluster's queues are full
         self.members: dict[str, dict[str, Any]] = {}  # the controller's last view, by worker id
@@ -89,6 +91,12 @@ class PoolSync:
                 continue
             if w.alive and not member["alive"]:
                 self.on_dead(w, RuntimeError("failed health checks"))
+            w.draining = bool(member.get("draining", False))
+            role = member.get("role", w.role)
+            if role != w.role:  # a role flip is done: the drained worker takes requests in its new role
+                old, w.role = w.role, role
+                if self.on_role is not None:
+                    self.on_role(w, old)
             if member["stats"]:
                 w.load.update(member["stats"])
             elif w.alive:

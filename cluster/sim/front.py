@@ -119,6 +119,8 @@ class SimFront:
         ref = self.refs[worker_id]
         ref.role, ref.draining = role, False
         ref.info = self.sims[worker_id].info()
+        if self.admission is not None and role == "decode":  # as the live front does (PoolClient._role_changed)
+            self.admission.ensure_ledger(worker_id, int(ref.info["num_blocks"]))
 
     def _admit(self, flight: _Flight, decision: Decision, hashes: list[bytes]) -> None:
         """Stage 2 as ``PoolClient._admit`` runs it, the queue on the virtual clock."""

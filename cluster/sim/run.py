@@ -168,8 +168,7 @@ def simulate(config: ClusterConfig, layout: Layout, bench: BenchConfig, profile:
     eng = workers[0].core
     limits = RequestLimits(eng.vocab_size, eng.max_model_len, eng.block_manager.num_blocks, eng.config.block_size)
     rebalancing = config.rebalance.enabled and not layout.colocated
-    # a worker the rebalancer may turn into a decode worker keeps KV then: every one has a ledger
-    keepers = [w for w in workers if rebalancing or w.role in ("decode", "colocated")]
+    keepers = [w for w in workers if w.role in ("decode", "colocated")]
     admission = kv_admission(config.admission, {w.worker_id: w.core.block_manager.num_blocks for w in keepers},
                              eng.config.block_size, clock=loop.clock)
     router = config.router

@@ -272,6 +272,28 @@ class Worker:
             out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
         return out
 
+    def set_role(self, role: str) -> bool:
+        """Change between prefill and decode in place (the rebalancer's flip), weights and cached
+        prefixes kept. Only an idle worker changes: False (nothing changed) while any request runs,
+        waits, is paused, parked for shipping, arriving, or has KV room reserved here."""
+        if role not in ("prefill", "decode") or self.role not in ("prefill", "decode"):
+            raise ValueError(f"a role flip is between prefill and decode; {self.worker_id} is {self.role}, "
+                             f"asked for {role!r}")
+
+        def apply(engine: Any) -> bool:
+            busy = (engine.scheduler.requests or engine.paused or engine.parked or engine.incoming
+                    or self._reserved_by or self._receiving or self._owner)
+            if busy:
+                return False
+            self.role = role
+            self._decode_target.clear()
+            return True
+
+        changed = bool(self.engine.call(apply))
+        if changed:
+            log.info("%s is now a %s worker", self.worker_id, role)
+        return changed
+
     def arm_fault(self, name: str, count: int = 1) -> None:
         """Make fault point ``name`` (``workers.actor.faults.FAULT_POINTS``) fire ``count`` times."""
         self.faults.arm(name, count)
