@@ -28,7 +28,7 @@ def _state(w: dict[str, Any]) -> str:
     if w["quarantined"]:
         return "quarantined"
     if w["alive"]:
-        return "alive"
+        return f"draining -> {w['to_role']}" if w.get("draining") else "alive"
     return "restarting" if w["restarting"] else "dead"
 
 
@@ -44,4 +44,7 @@ def format_status(status: dict[str, Any]) -> str:
         "controller view: none yet" if ctl["view_age_s"] is None else f"controller view {ctl['view_age_s']:.1f} s old")
     lines.append(f"{status['front_id']}: {'ready' if status['ready'] else 'NOT READY'}, "
                  f"{status['open_streams']} open streams, {status['migrations_total']} migrations, {age}")
+    for f in (ctl or {}).get("flips", [])[-5:]:
+        how = f"given up ({f['given_up']})" if f.get("given_up") else f"drained in {f['drained_s']:.1f} s"
+        lines.append(f"flip: {f['worker_id']} {f['from_role']} -> {f['to_role']}, {how}")
     return "\n".join(lines)

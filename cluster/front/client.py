@@ -253,13 +253,14 @@ class PoolClient:
             workers.append({
                 "worker_id": wid, "role": w.role, "alive": w.alive, "incarnation": w.incarnation,
                 "restarts": int(member.get("restarts", 0)), "restarting": bool(member.get("restarting", False)),
-                "quarantined": bool(member.get("quarantined", False)), "num_running": w.load.num_running,
+                "quarantined": bool(member.get("quarantined", False)), "draining": w.draining,
+                "to_role": member.get("to_role"), "num_running": w.load.num_running,
                 "num_waiting": w.load.num_waiting, "kv_cache_usage": round(w.load.kv_cache_usage, 4)})
         at = self.sync.members_at
         age = None if at is None else round(time.monotonic() - at, 3)
         return {"ready": self.ready(), "front_id": self.front_id, "workers": workers,
                 "migrations_total": self.migrations_total, "open_streams": len(self._streams),
-                "controller": None if self.controller is None else {"view_age_s": age}}
+                "controller": None if self.controller is None else {"view_age_s": age, "flips": self.sync.flips}}
 
     # ------------------------------------------------------------------ decisions carried out
     def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,

@@ -40,6 +40,7 @@ class PoolSync:
         self.overloaded = False  # the controller says the cluster's queues are full
         self.members: dict[str, dict[str, Any]] = {}  # the controller's last view, by worker id
         self.members_at: float | None = None  # when it came (monotonic)
+        self.flips: list[dict[str, Any]] = []  # the controller's last role flips
 
     async def events_loop(self) -> None:
         """Keep the prefix index in step with every live worker's KV events."""
@@ -82,6 +83,7 @@ class PoolSync:
             return
         self.overloaded = bool(snap["overloaded"])
         self.members, self.members_at = snap["members"], time.monotonic()
+        self.flips = snap.get("flips", [])
         for wid, member in snap["members"].items():
             w = self.workers.get(wid)
             if w is None or member.get("incarnation", 0) < w.incarnation:

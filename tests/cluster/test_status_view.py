@@ -102,3 +102,16 @@ def test_format_states():
                           "open_streams": 0, "controller": None})
     assert "quarantined" in text.splitlines()[1] and text.splitlines()[2].split()[2] == "dead"
     assert text.splitlines()[-1] == "f: NOT READY, 0 open streams, 0 migrations, no controller"
+
+
+def test_a_draining_worker_and_the_controllers_flips_are_shown():
+    rows = [_worker("prefill-1", "prefill"), _worker("decode-0", "decode")]
+    rows[0].update(draining=True, to_role="decode")
+    flips = [{"worker_id": "decode-1", "from_role": "decode", "to_role": "prefill", "drained_s": 2.5},
+             {"worker_id": "prefill-2", "from_role": "prefill", "to_role": "decode", "given_up": "died"}]
+    text = format_status({"ready": True, "front_id": "f", "workers": rows, "migrations_total": 0,
+                          "open_streams": 3, "controller": {"view_age_s": 0.4, "flips": flips}})
+    lines = text.splitlines()
+    assert "draining -> decode" in lines[1] and lines[2].split()[2] == "alive"
+    assert lines[-2:] == ["flip: decode-1 decode -> prefill, drained in 2.5 s",
+                          "flip: prefill-2 prefill -> decode, given up (died)"]
