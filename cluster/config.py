@@ -242,9 +242,9 @@ class RecoverySection(BaseModel):
 
 class RebalanceSection(BaseModel):
     """The controller's pool rebalancing (``cluster.rebalance``): when a pool is short and the other
-    has room, a worker of the other changes role. The decisions are carried out by ``baton plan
-    sim`` today; ``baton serve`` refuses ``enabled = true`` until the controller runs them (its
-    flips, ``GlobalController.flip``, follow ``drain_grace_s`` and ``drain_timeout_s``)."""
+    has room, a worker of the other changes role. The controller runs it live and ``baton plan
+    sim`` on the virtual clock; every flip (``GlobalController.flip``, the rebalancer's or one
+    asked for) follows ``drain_grace_s`` and ``drain_timeout_s``."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False

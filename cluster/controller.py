@@ -52,13 +52,20 @@ class GlobalController:
     def __init__(self, max_waiting: int, interval_s: float = 1.0, timeout_s: float = 5.0,
                  failure_threshold: int = 2, restart: RestartPolicy | None = None,
                  start_timeout_s: float = 300.0, members: list[tuple[WorkerSpec, Any]] | None = None,
-                 drain_grace_s: float | None = None, drain_timeout_s: float = 600.0) -> None:
+                 drain_grace_s: float | None = None, drain_timeout_s: float = 600.0,
+                 rebalance: dict[str, Any] | None = None) -> None:
         self.max_waiting = max_waiting
         # A front routes on the last snapshot it read (one a stats interval): a drained worker
         # changes role only once every front has seen it draining and what they sent has arrived.
         self.drain_grace_s = drain_grace_s if drain_grace_s is not None else max(3 * interval_s, 2.0)
         self.drain_timeout_s = drain_timeout_s
         self.flips: list[dict[str, Any]] = []  # the role flips carried out (or given up), oldest first
+        self._rebalance = None  # cluster.rebalance.live.LiveRebalance, with [rebalance] enabled
+        if rebalance and rebalance.get("enabled"):
+            from cluster.config import RebalanceSection
+            from cluster.rebalance.live import LiveRebalance
+
+            self._rebalance = LiveRebalance(RebalanceSection.model_validate(rebalance))
         self.interval_s, self.timeout_s, self.failure_threshold = interval_s, timeout_s, failure_threshold
         self.restart_policy = restart or RestartPolicy()
         self.start_timeout_s = start_timeout_s  # a restarted worker loads its model within this
@@ -67,6 +74,7 @@ class GlobalController:
         self._infos: dict[str, dict[str, Any]] = {}
         self._history: dict[str, RestartHistory] = {}
         self._members: dict[str, Member] = {}
+        self._flip_reasons: dict[str, str] = {}  # worker -> why its flip under way began
         self._lock = threading.Lock()
         self._stop = threading.Event()
         for spec, handle in members or ():
@@ -94,8 +102,9 @@ class GlobalController:
             members = {wid: asdict(m) for wid, m in self._members.items()}
             flips = list(self.flips[-16:])
         waiting = sum(int(m["stats"].get("num_waiting", 0)) for m in members.values() if m["alive"])
+        rebalance = self._rebalance.status() if self._rebalance is not None else {"enabled": False}
         return {"members": members, "num_waiting": waiting, "overloaded": waiting >= self.max_waiting,
-                "flips": flips}
+                "flips": flips, "rebalance": rebalance}
 
     def worker(self, worker_id: str) -> tuple[int, Any, dict[str, Any]]:
         """The worker's current incarnation, actor handle and ``info`` (fronts adopt restarts)."""
@@ -107,7 +116,7 @@ class GlobalController:
         with self._lock:
             return dict(self._handles)
 
-    def flip(self, worker_id: str, role: str) -> None:
+    def flip(self, worker_id: str, role: str, reason: str = "manual") -> None:
         """Begin moving a worker to ``role`` (prefill <-> decode): fronts stop sending it new
         requests; once its own finish (or move) and the grace has passed, it changes role in
         place. Raises ValueError for a flip that cannot be made (naming why)."""
@@ -126,7 +135,8 @@ class GlobalController:
             if not left:
                 raise ValueError(f"{worker_id} is the last live {m.role} worker")
             m.draining, m.to_role, m.drain_since = True, role, time.monotonic()
-        log.info("worker %s: draining to become a %s worker", worker_id, role)
+            self._flip_reasons[worker_id] = reason
+        log.info("worker %s: draining to become a %s worker (%s)", worker_id, role, reason)
 
     def mark_dead(self, worker_id: str, incarnation: int | None = None) -> None:
         """A front saw the worker fail: stop routing to it without waiting for the next check.
@@ -145,7 +155,8 @@ class GlobalController:
         m.alive = False
         if m.draining:  # its requests move as any dead worker's do; it comes back in its old role
             self.flips.append({"worker_id": m.worker_id, "from_role": m.role, "to_role": m.to_role,
-                               "given_up": "died", "at": time.time()})
+                               "reason": self._flip_reasons.pop(m.worker_id, "manual"), "given_up": "died",
+                               "at": time.time()})
             m.draining, m.to_role, m.drain_since = False, None, None
         now = time.monotonic()
         delay = self._history[m.worker_id].died(now) if m.worker_id in self._specs else None
@@ -195,6 +206,22 @@ class GlobalController:
             self._check()
             self._restart_due()
             self._flips_due()
+            self._rebalance_due()
+
+    def _rebalance_due(self) -> None:
+        """A rebalancing decision every ``[rebalance] interval_s`` (when enabled)."""
+        import ray
+
+        rb = self._rebalance
+        if rb is None or not rb.due(time.monotonic()):
+            return
+        with self._lock:
+            members = {wid: replace(m, stats=dict(m.stats)) for wid, m in self._members.items()}
+            handles = dict(self._handles)
+        try:
+            rb.tick(time.monotonic(), members, handles, lambda ref: ray.get(ref, timeout=self.timeout_s), self.flip)
+        except Exception:  # a bad decision must not stop health checks and restarts
+            log.exception("rebalance decision failed")
 
     def _flips_due(self) -> None:
         """Carry out the flips whose workers have drained: the worker refuses while it holds any
@@ -223,12 +250,14 @@ class GlobalController:
                     if spec is not None:  # a restart brings it back in its new role
                         self._specs[wid] = replace(spec, role=role, args=(spec.args[0], role, *spec.args[2:]))
                     self.flips.append({"worker_id": wid, "from_role": old, "to_role": role,
+                                       "reason": self._flip_reasons.pop(wid, "manual"),
                                        "drained_s": round(waited, 3), "at": time.time()})
                     log.info("worker %s is now a %s worker (drained in %.1fs)", wid, role, waited)
                 elif m.alive and waited < self.drain_timeout_s:
                     continue
                 else:
                     self.flips.append({"worker_id": wid, "from_role": m.role, "to_role": role,
+                                       "reason": self._flip_reasons.pop(wid, "manual"),
                                        "given_up": "died" if not m.alive else "drain timed out",
                                        "at": time.time()})
                     log.warning("worker %s: role flip to %s given up", wid, role)

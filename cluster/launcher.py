@@ -12,7 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig
 from cluster.front.workers import WorkerRef
 from cluster.restarts import WorkerSpec
 from kernels import capabilities
@@ -199,9 +199,6 @@ class Cluster:
     """The worker actors of one deployment. ``start`` blocks until every worker has loaded its model."""
 
     def __init__(self, config: ClusterConfig) -> None:
-        if config.rebalance.enabled:  # refused, not ignored: nothing here carries the decisions out yet
-            raise ConfigError("rebalance.enabled: a live deployment does not change worker roles yet; "
-                              "`baton plan sim --config FILE` simulates the rebalancer")
         self.config = config
         self.workers: list[WorkerRef] = []
         self.controller: Any = None
@@ -297,7 +294,8 @@ class Cluster:
         ).remote(self.config.server.max_queued_requests, restart=self.config.recovery.restart_policy(),
                  members=[(specs[w.worker_id], w.handle) for w in self.workers],
                  drain_grace_s=self.config.rebalance.drain_grace_s,
-                 drain_timeout_s=self.config.rebalance.drain_timeout_s)
+                 drain_timeout_s=self.config.rebalance.drain_timeout_s,
+                 rebalance=self.config.rebalance.model_dump())
         ray.get(self.controller.snapshot.remote())
 
     def actor_name(self, name: str) -> dict[str, Any]:

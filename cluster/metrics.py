@@ -75,6 +75,8 @@ class Metrics:
                                   "holding them died, by the dead worker's role", ["role"], registry=r)
         self.worker_restarts = Counter("baton:worker_restarts_total", "Dead workers the controller started "
                                        "again, as this front adopted them", ["role"], registry=r)
+        self.rebalance = Counter("baton:rebalance_total", "Rebalancer actions carried out, as this front saw "
+                                 "them (flip: a worker changed role)", ["action", "reason"], registry=r)
         self.running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w,
                              registry=r)
         self.paused = Gauge("baton:num_requests_paused", "Requests descheduled because their reader fell "
@@ -208,6 +210,9 @@ class Metrics:
 
     def observe_restart(self, role: str) -> None:
         self.worker_restarts.labels(role).inc()
+
+    def observe_rebalance(self, action: str, reason: str) -> None:
+        self.rebalance.labels(action, reason).inc()
 
     def observe_migration(self, role: str) -> None:
         self.migrations.labels(role).inc()

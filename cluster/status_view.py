@@ -44,6 +44,12 @@ def format_status(status: dict[str, Any]) -> str:
         "controller view: none yet" if ctl["view_age_s"] is None else f"controller view {ctl['view_age_s']:.1f} s old")
     lines.append(f"{status['front_id']}: {'ready' if status['ready'] else 'NOT READY'}, "
                  f"{status['open_streams']} open streams, {status['migrations_total']} migrations, {age}")
+    rb = (ctl or {}).get("rebalance") or {}
+    if rb.get("enabled"):
+        last = rb.get("last") or {}
+        pressures = ", ".join(f"{k} {v:.2f}" for k, v in (last.get("pressures") or {}).items())
+        lines.append(f"rebalancer{' (dry run)' if rb.get('dry_run') else ''}: last decision "
+                     f"{last.get('reason', 'none yet')}" + (f", pressure {pressures}" if pressures else ""))
     for f in (ctl or {}).get("flips", [])[-5:]:
         how = f"given up ({f['given_up']})" if f.get("given_up") else f"drained in {f['drained_s']:.1f} s"
         lines.append(f"flip: {f['worker_id']} {f['from_role']} -> {f['to_role']}, {how}")

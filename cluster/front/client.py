@@ -260,7 +260,8 @@ class PoolClient:
         age = None if at is None else round(time.monotonic() - at, 3)
         return {"ready": self.ready(), "front_id": self.front_id, "workers": workers,
                 "migrations_total": self.migrations_total, "open_streams": len(self._streams),
-                "controller": None if self.controller is None else {"view_age_s": age, "flips": self.sync.flips}}
+                "controller": None if self.controller is None else {"view_age_s": age, "flips": self.sync.flips,
+                                                                "rebalance": self.sync.rebalance}}
 
     # ------------------------------------------------------------------ decisions carried out
     def _route(self, prompt_token_ids: list[int], salt: str | None, params: SamplingParams,
@@ -404,6 +405,9 @@ class PoolClient:
         log.info("front %s: %s is now a %s worker (was %s)", self.front_id, w.worker_id, w.role, old)
         if self.admission is not None and w.role == "decode":
             self.admission.ensure_ledger(w.worker_id, int(w.info.get("num_blocks", 0)))
+        if self.metrics is not None:
+            done = [f for f in self.sync.flips if f["worker_id"] == w.worker_id and not f.get("given_up")]
+            self.metrics.observe_rebalance("flip", done[-1].get("reason", "manual") if done else "manual")
 
     async def _adopt(self, w: WorkerRef) -> None:
         """The controller restarted ``w``: route to the new actor and take its deltas."""

@@ -41,6 +41,7 @@ class PoolSync:
         self.members: dict[str, dict[str, Any]] = {}  # the controller's last view, by worker id
         self.members_at: float | None = None  # when it came (monotonic)
         self.flips: list[dict[str, Any]] = []  # the controller's last role flips
+        self.rebalance: dict[str, Any] = {"enabled": False}  # its rebalancer's counts and last decision
 
     async def events_loop(self) -> None:
         """Keep the prefix index in step with every live worker's KV events."""
@@ -84,6 +85,7 @@ class PoolSync:
         self.overloaded = bool(snap["overloaded"])
         self.members, self.members_at = snap["members"], time.monotonic()
         self.flips = snap.get("flips", [])
+        self.rebalance = snap.get("rebalance", {"enabled": False})
         for wid, member in snap["members"].items():
             w = self.workers.get(wid)
             if w is None or member.get("incarnation", 0) < w.incarnation:

@@ -88,7 +88,7 @@ class Signals:
 
     window_s: float
     requests: int
-    arrival_rate: float  # finished requests per second
+    arrival_rate: float  # requests per second that got their first token in the window
     prompt_p50: float
     prompt_p90: float
     uncached_p90: float
@@ -152,10 +152,15 @@ class SignalWindow:
                 "colocated": [(ttfts, t.ttft_s), (tpots, t.tpot_s)]}
         pools = {role: self._pool(role, n, polls.get(role, []), slos.get(role, []))
                  for role, n in sorted(counts.items())}
-        prompts = [float(r.prompt_tokens) for r in reqs]
-        outputs = [float(r.output_tokens) for r in reqs]
-        uncached = [float(r.prompt_tokens - r.cached_tokens) for r in reqs]
-        return Signals(self.window_s, len(reqs), len(reqs) / self.window_s, quantile(prompts, 0.5),
+        # live, a disaggregated request leaves two samples: its TTFT where its first token was
+        # made, its TPOT where its last was; prompts count once (by TTFT), outputs once (by TPOT)
+        started = [r for r in reqs if r.ttft_s is not None] or reqs
+        ended = [r for r in reqs if r.tpot_s is not None] or reqs
+        prompts = [float(r.prompt_tokens) for r in started]
+        outputs = [float(r.output_tokens) for r in ended]
+        uncached = [float(r.prompt_tokens - r.cached_tokens) for r in started]
+        n = max(len(started), len(ended)) if reqs else 0
+        return Signals(self.window_s, n, len(started) / self.window_s, quantile(prompts, 0.5),
                        quantile(prompts, 0.9), quantile(uncached, 0.9), quantile(outputs, 0.5),
                        quantile(outputs, 0.9), pools)
 

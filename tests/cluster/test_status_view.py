@@ -110,8 +110,11 @@ def test_a_draining_worker_and_the_controllers_flips_are_shown():
     flips = [{"worker_id": "decode-1", "from_role": "decode", "to_role": "prefill", "drained_s": 2.5},
              {"worker_id": "prefill-2", "from_role": "prefill", "to_role": "decode", "given_up": "died"}]
     text = format_status({"ready": True, "front_id": "f", "workers": rows, "migrations_total": 0,
-                          "open_streams": 3, "controller": {"view_age_s": 0.4, "flips": flips}})
+                          "open_streams": 3, "controller": {"view_age_s": 0.4, "flips": flips, "rebalance": {
+                              "enabled": True, "dry_run": True,
+                              "last": {"reason": "within_band", "pressures": {"prefill": 0.5, "decode": 0.25}}}}})
     lines = text.splitlines()
     assert "draining -> decode" in lines[1] and lines[2].split()[2] == "alive"
+    assert lines[-3] == "rebalancer (dry run): last decision within_band, pressure prefill 0.50, decode 0.25"
     assert lines[-2:] == ["flip: decode-1 decode -> prefill, drained in 2.5 s",
                           "flip: prefill-2 prefill -> decode, given up (died)"]

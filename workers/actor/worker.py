@@ -272,6 +272,12 @@ class Worker:
             out["output_fronts"] = sorted(self._fronts)  # fronts whose output stream is up
         return out
 
+    def latency_samples(self, since: int = 0) -> tuple[int, list[dict[str, Any]]]:
+        """The TTFT and TPOT samples after cursor ``since`` (``workers.engine.latency_log``), and the
+        next cursor: the controller's rebalancer reads them."""
+        seq, samples = self.engine.call(lambda engine: engine.latency.since(since))
+        return seq, [dataclasses.asdict(s) for s in samples]
+
     def set_role(self, role: str) -> bool:
         """Change between prefill and decode in place (the rebalancer's flip), weights and cached
         prefixes kept. Only an idle worker changes: False (nothing changed) while any request runs,

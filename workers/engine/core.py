@@ -16,6 +16,7 @@ import torch
 from workers.blocks.manager import BlockManager
 from workers.blocks.prefix_hash import CacheNamespace
 from workers.engine.config import EngineConfig
+from workers.engine.latency_log import LatencyLog
 from workers.engine.model_runner import ModelRunner, kv_cache_block_bytes, sampling_requests
 from workers.engine.outputs import TokenDelta
 from workers.engine.request import Request, RequestGroup, RequestStatus, SampleResume
@@ -106,6 +107,7 @@ class EngineCore:
         # Per step of t seconds with P prompt and D decode tokens, summed: n, P, D, PP, PD, DD, t, tP,
         # tD. Routers fit t = overhead + b P + c D to the steps themselves (router.routing.rates.StepFit).
         self.step_moments = [0.0] * 9
+        self.latency = LatencyLog()  # each request's TTFT and TPOT here, for the rebalancer
 
     @staticmethod
     def _host_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
@@ -275,6 +277,9 @@ class EngineCore:
                 req.stop_reason = f"token {tok} does not follow the grammar {req.matcher.error()}".strip()
             if req.first_token_time is None:
                 req.first_token_time = now
+                if req.num_output_tokens == 1:  # its very first token (not one resumed or received)
+                    self.latency.add("ttft", now - req.arrival_time, req.num_prompt_tokens,
+                                     max(req.num_cached_tokens, 0), 1)
             delta = TokenDelta(req.parent_id or req.request_id, req.index, [tok],
                                num_prompt_tokens=req.num_prompt_tokens,
                                num_cached_tokens=max(req.num_cached_tokens, 0), position=req.num_output_tokens - 1)
@@ -286,6 +291,9 @@ class EngineCore:
             status = RequestStatus.FINISHED_ABORTED if refused else self._check_stop(req, tok)
             if status is not None:
                 self._finish(req, status, None)
+                if status != RequestStatus.FINISHED_ABORTED and req.num_output_tokens > 1:
+                    self.latency.add("tpot", (now - req.first_token_time) / (req.num_output_tokens - 1),
+                                     req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_output_tokens)
                 delta.finish_reason = req.status.finish_reason
                 delta.stop_reason = req.stop_reason
             elif req.prefill_only:

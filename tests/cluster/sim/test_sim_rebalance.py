@@ -14,7 +14,6 @@ from cluster.bench.plan import Layout
 from cluster.bench.runner import BenchConfig
 from cluster.bench.workload import WorkloadConfig
 from cluster.config import ConfigError, load_config
-from cluster.launcher import Cluster
 from cluster.sim.profile import LatencyProfile
 from cluster.sim.run import SimHardware, simulate
 from tests.cluster.sim.test_simulate import profile_data
@@ -78,11 +77,6 @@ def test_a_dry_run_decides_and_changes_nothing(shift_trace):
     assert res.rebalance["decisions"] and res.rebalance["flips"] == []
     assert all(w["role"] == w["started_as"] for w in res.workers.values())
     _given_back(res)
-
-
-def test_a_live_deployment_refuses_rebalancing_it_cannot_carry_out():
-    with pytest.raises(ConfigError, match="rebalance.enabled"):
-        Cluster(load_config(None).with_overrides(**{"rebalance.enabled": True}))
 
 
 def test_a_rebalance_section_with_slack_above_enter_names_the_field():
