@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -23,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.rebalance_sim import make_trace, per_window  # noqa: E402
+from benchmarks.machine import cpu_name  # noqa: E402
+from benchmarks.rebalance_sim import make_trace, parse_phases, per_window  # noqa: E402
 
 
 def _rebalance(args: argparse.Namespace, on: bool) -> dict:
@@ -121,8 +121,10 @@ def main() -> int:
 
     from cluster.bench.metrics import SLO
 
-    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
+    try:
+        shapes, rates = parse_phases(args.shapes, args.rates)
+    except ValueError as e:
+        ap.error(str(e))
     trace = Path(tempfile.mkdtemp()) / "rebalance_live.jsonl"
     n = make_trace(trace, shapes, rates, args.phase_s, args.seed)
     slo = SLO(ttft_ms=1e3 * args.ttft_slo_s, tpot_ms=1e3 * args.tpot_slo_s)
@@ -139,8 +141,8 @@ def main() -> int:
                 row["rebalance_counts"] = out["rebalance"].get("counts")
             runs.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "windows"}), flush=True)
-    result = {"benchmark": "rebalance_live", "date": date.today().isoformat(), "cpu": platform.processor() or
-              platform.machine(), "cores": os.cpu_count(), "command": "python benchmarks/rebalance_live.py " +
+    result = {"benchmark": "rebalance_live", "date": date.today().isoformat(), "cpu": cpu_name(),
+              "cores": os.cpu_count(), "command": "python benchmarks/rebalance_live.py " +
               " ".join(sys.argv[1:]), "phases": [{"prompt": p, "output": o, "rate": r, "seconds": args.phase_s}
                                                  for (p, o), r in zip(shapes, rates)],
               "slo": slo.as_dict(), "rebalance": _rebalance(args, True), "requests": n, "runs": runs}

@@ -37,6 +37,18 @@ def make_trace(path: Path, shapes: list[tuple[int, int]], rates: list[float], ph
     return len(rows)
 
 
+def parse_phases(shapes: str, rates: str) -> tuple[list[tuple[int, int]], list[float]]:
+    """``--shapes`` "prompt:output,..." and ``--rates`` "r,..." as lists; ValueError if malformed."""
+    try:
+        pairs = [tuple(int(x) for x in s.split(":")) for s in shapes.split(",")]
+        per_s = [float(x) for x in rates.split(",")]
+    except ValueError:
+        raise ValueError(f"--shapes takes prompt:output,... and --rates r,...; got {shapes!r}, {rates!r}") from None
+    if len(pairs) != len(per_s) or any(len(p) != 2 for p in pairs):
+        raise ValueError("--shapes and --rates need one entry per phase, a shape as prompt:output")
+    return pairs, per_s
+
+
 def per_window(records, slo, window_s: float, end_s: float) -> list[dict]:
     """Attainment and goodput of the requests that arrived in each window."""
     out = []
@@ -75,10 +87,10 @@ def main() -> int:
     from cluster.sim.profile import LatencyProfile
     from cluster.sim.run import SimHardware, simulate
 
-    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
-    if len(shapes) != len(rates):
-        ap.error("--shapes and --rates need one entry per phase")
+    try:
+        shapes, rates = parse_phases(args.shapes, args.rates)
+    except ValueError as e:
+        ap.error(str(e))
     out_path = Path(args.out) if args.out else None
     trace = Path(args.trace_out) if args.trace_out else Path(tempfile.mkdtemp()) / "rebalance_sim.jsonl"
     n = make_trace(trace, shapes, rates, args.phase_s, args.seed)
