@@ -258,6 +258,8 @@ class RebalanceSection(BaseModel):
     enter: float = Field(1.0, gt=0, description="pressure above which a pool is short")
     slack: float = Field(0.7, gt=0, description="a pool gives up a worker only if it stays below this "
                          "pressure with one fewer")
+    step_fraction: float = Field(0.25, gt=0, le=1, description="the most workers one decision flips, as a "
+                                 "share of both pools (at least one)")
     ttft_target_s: float = Field(2.0, gt=0, description="the prefill pool's SLO")
     tpot_target_s: float = Field(0.1, gt=0, description="the decode pool's SLO")
     attainment: float = Field(0.9, gt=0, le=1, description="share of requests that must meet each SLO")
@@ -288,7 +290,7 @@ class RebalanceSection(BaseModel):
 
         return RebalancePolicy(window_s=self.window_s, cooldown_s=self.cooldown_s, min_dwell_s=self.min_dwell_s,
                                max_actions_per_window=self.max_actions_per_window, min_requests=self.min_requests,
-                               enter=self.enter, slack=self.slack,
+                               enter=self.enter, slack=self.slack, step_fraction=self.step_fraction,
                                min_workers={"prefill": self.min_prefill, "decode": self.min_decode},
                                max_workers={"prefill": self.max_prefill, "decode": self.max_decode})
 

@@ -6,7 +6,11 @@ simulator build a ``ClusterView`` and carry out the ``Action``s. It decides for 
 once, one action a decision at most:
 
 - **flip**: one pool is short (pressure above ``enter``) and the other would still have room
-  without its least loaded worker (its pressure, projected on one worker fewer, below ``slack``).
+  without its least loaded workers (its pressure, projected on that many fewer, below ``slack``).
+  How many move at once: as many as the short pool's pressure, shared by more workers, needs to
+  come down to between ``slack`` and ``enter``, no more than the other can spare, and at most
+  ``step_fraction`` of the two pools (at least one): a 64-worker cluster does not take an hour of
+  cool-downs to follow a shift that one worker at a time would.
 - **add** (with ``scale``): a pool is short, nothing can be flipped to it, it is below its ``max``
   and the cluster has room for one more worker of it.
 - **remove** (with ``scale``): no pool is short and one would stay below ``slack`` with one worker
@@ -43,12 +47,15 @@ class RebalancePolicy:
     scale: bool = False  # add and remove workers within the bounds; False: only flip roles
     enter: float = 1.0  # a pool above this pressure is short
     slack: float = 0.7  # a pool gives up a worker only if it stays below this with one fewer
+    step_fraction: float = 0.25  # the most workers one flip decision moves, as a share of both pools
     min_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1, "colocated": 1})
     max_workers: dict[str, int | None] = field(default_factory=dict)  # None or absent: no bound
 
     def __post_init__(self) -> None:
         if not 0 < self.slack < self.enter:
             raise ValueError(f"need 0 < slack < enter, got slack={self.slack}, enter={self.enter}")
+        if not 0 < self.step_fraction <= 1:
+            raise ValueError(f"step_fraction must be in (0, 1], got {self.step_fraction}")
         if self.max_actions_per_window < 0 or self.min_requests < 0:
             raise ValueError("max_actions_per_window and min_requests must be >= 0")
         for name in ("window_s", "cooldown_s", "min_dwell_s"):
@@ -99,7 +106,7 @@ class ClusterView:
 @dataclass(frozen=True)
 class Action:
     """``flip``: ``worker_id`` moves to ``role``; ``add``: a new worker of ``role``; ``remove``:
-    ``worker_id`` (of ``role``) leaves."""
+    ``worker_id`` (of ``role``) leaves. One decision may flip several workers, an action each."""
 
     kind: str
     role: str
@@ -144,8 +151,8 @@ class Rebalancer:
         def hold(reason: str) -> RebalanceDecision:
             return RebalanceDecision(now, [], reason, pressures, inputs)
 
-        def act(action: Action) -> RebalanceDecision:
-            return RebalanceDecision(now, [action], action.reason, pressures, inputs)
+        def act(*actions: Action) -> RebalanceDecision:
+            return RebalanceDecision(now, list(actions), actions[0].reason, pressures, inputs)
 
         while self._acted and self._acted[0] < now - p.window_s:
             self._acted.popleft()
@@ -159,14 +166,17 @@ class Rebalancer:
             return hold("too_few_requests")
         short = sorted((r for r in pools if pools[r].pressure > p.enter), key=lambda r: -pools[r].pressure)
         for role in short:
-            if len(view.pool(role)) >= p.upper(role):
+            room = p.upper(role) - len(view.pool(role))
+            if room <= 0:
                 continue
             for donor in pools:
                 if donor == role or "colocated" in (donor, role):
                     continue
-                worker = self._movable(view, donor, pools[donor])
-                if worker is not None:
-                    return act(Action("flip", role, worker.worker_id, f"{role}_pressure"))
+                spare = self._spare(view, donor, pools[donor])
+                if spare:
+                    cap = max(1, int(p.step_fraction * (len(view.pool(role)) + len(view.pool(donor)))))
+                    k = min(len(spare), room, cap, self._needed(pools[role], len(view.pool(role))))
+                    return act(*(Action("flip", role, w.worker_id, f"{role}_pressure") for w in spare[:k]))
             if p.scale and view.can_add.get(role, False):
                 return act(Action("add", role, None, f"{role}_pressure"))
         if short:
@@ -174,25 +184,34 @@ class Rebalancer:
         if not p.scale:
             return hold("within_band")
         for role in sorted(pools, key=lambda r: pools[r].pressure):
-            worker = self._movable(view, role, pools[role])
-            if worker is not None:
-                return act(Action("remove", role, worker.worker_id, f"{role}_slack"))
+            spare = self._spare(view, role, pools[role])
+            if spare:
+                return act(Action("remove", role, spare[0].worker_id, f"{role}_slack"))
         return hold("within_band")
 
-    def _movable(self, view: ClusterView, role: str, pool: PoolSignals) -> WorkerView | None:
-        """The worker ``role``'s pool can give up with room to spare, or None: the pool stays at or
-        above its minimum and below ``slack`` on one worker fewer, and the worker has dwelt."""
+    def _spare(self, view: ClusterView, role: str, pool: PoolSignals) -> list[WorkerView]:
+        """The workers ``role``'s pool can give up with room to spare, least loaded first: the pool
+        stays at or above its minimum and below ``slack`` on that many fewer, and each has dwelt."""
         p = self.policy
         members = view.pool(role)
-        if len(members) - 1 < p.lower(role):
-            return None
-        if pool.projected(len(members) - 1) >= p.slack or (pool.latency_pressure or 0.0) >= p.slack:
-            return None
+        if (pool.latency_pressure or 0.0) >= p.slack:
+            return []
+        k = 0
+        while len(members) - (k + 1) >= p.lower(role) and pool.projected(len(members) - (k + 1)) < p.slack:
+            k += 1
         ready = [w for w in members if view.now - w.since >= p.min_dwell_s and not w.draining]
-        if not ready:
-            return None
-        # the least loaded leaves: the fewest requests to finish or move, the least cache to lose
-        return min(ready, key=lambda w: (w.running + w.waiting, w.kv_usage, w.worker_id))
+        # the least loaded leave: the fewest requests to finish or move, the least cache to lose
+        return sorted(ready, key=lambda w: (w.running + w.waiting, w.kv_usage, w.worker_id))[:k]
+
+    def _needed(self, pool: PoolSignals, workers: int) -> int:
+        """Workers to add to a short pool for its pressure, shared by more, to come down to the
+        middle of the band: the latency part does not project, so both parts are taken to scale
+        as the load does."""
+        aim = (self.policy.enter + self.policy.slack) / 2
+        k = 1
+        while pool.pressure * workers / (workers + k) > aim and k < 1024:
+            k += 1
+        return k
 
 
 def _inputs(signals: Signals, pools: dict[str, PoolSignals]) -> dict[str, Any]:

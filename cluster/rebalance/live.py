@@ -26,7 +26,7 @@ class LiveRebalance:
         self.rebalancer = Rebalancer(section.policy())
         self.window = SignalWindow(section.window_s, section.targets())
         self._cursor: dict[str, int] = {}
-        self._busy: dict[str, tuple[float, float]] = {}  # worker -> (when, busy seconds) at the last poll
+        self._busy: dict[str, tuple[float, float, float]] = {}  # worker -> (when, busy s, prefill s) last poll
         self._next_at: float | None = None
         self.counts: dict[str, int] = {}  # "action:reason" (holds as "hold:reason") -> decisions
         self.acted: deque[dict[str, Any]] = deque(maxlen=16)  # the last decisions with an action
@@ -55,15 +55,16 @@ class LiveRebalance:
                 ttft = s["seconds"] if s["kind"] == "ttft" else None
                 tpot = s["seconds"] if s["kind"] == "tpot" else None
                 self.window.add_request(RequestSample(now, s["prompt_tokens"], s["cached_tokens"],
-                                                      s["output_tokens"], ttft, tpot))
+                                                      s["output_tokens"], ttft, tpot, alive[wid].role))
         for wid, m in alive.items():
             st = m.stats or {}
-            busy = float(st.get("busy_seconds", 0.0))
-            then, was = self._busy.get(wid, (now, busy))
-            self._busy[wid] = (now, busy)
-            fraction = min(max((busy - was) / (now - then), 0.0), 1.0) if now > then else 0.0
-            self.window.add_poll(WorkerSample(now, wid, m.role, fraction, float(st.get("kv_cache_usage", 0.0)),
-                                              int(st.get("num_waiting", 0)), int(st.get("num_running", 0))))
+            busy, prefill = float(st.get("busy_seconds", 0.0)), float(st.get("prefill_seconds", 0.0))
+            then, was, was_prefill = self._busy.get(wid, (now, busy, prefill))
+            self._busy[wid] = (now, busy, prefill)
+            wall = now - then
+            self.window.add_poll(WorkerSample(now, wid, m.role, _share(busy - was, wall),
+                                              float(st.get("kv_cache_usage", 0.0)), int(st.get("num_waiting", 0)),
+                                              int(st.get("num_running", 0)), _share(prefill - was_prefill, wall)))
         view = ClusterView(now, [WorkerView(wid, m.role, m.role_since, int((m.stats or {}).get("num_running", 0)),
                                             int((m.stats or {}).get("num_waiting", 0)),
                                             float((m.stats or {}).get("kv_cache_usage", 0.0)), m.draining)
@@ -96,3 +97,8 @@ class LiveRebalance:
         """For the controller's snapshot: what it is set to, counts, the last decision, the last acts."""
         return {"enabled": True, "dry_run": self.section.dry_run, "interval_s": self.section.interval_s,
                 "counts": dict(sorted(self.counts.items())), "last": self.last, "acted": list(self.acted)}
+
+
+def _share(seconds: float, wall: float) -> float:
+    """``seconds`` of engine time over ``wall`` seconds, clamped to 0..1."""
+    return min(max(seconds / wall, 0.0), 1.0) if wall > 0 else 0.0

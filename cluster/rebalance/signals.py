@@ -11,6 +11,11 @@ over its high-water mark: a decode worker is busy whenever one sequence runs, so
 says nothing of its room). The load part scales with the pool's size, so the rebalancer can
 project what removing or adding a worker would do to it; the latency part tells that a pool is
 short before its load shows it (queues, batches grown past the TPOT target).
+
+Prompts a decode worker prefills itself (conditional disaggregation) are the decode pool's: their
+TTFT counts against its TTFT SLO, not the prefill pool's (their wait was in its queue), and of its
+TPOT only the decode share of its step time counts (a step's time splits by token share, as the
+engine accounts it), so a TPOT slowed by prompts does not read as a shortage of decode workers.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class RequestSample:
     output_tokens: int
     ttft_s: float | None  # None: it failed before its first token
     tpot_s: float | None  # None: fewer than two output tokens
+    first_role: str | None = None  # the role of the worker that made its first token (None: prefill)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class WorkerSample:
     kv_usage: float  # used KV blocks over all, 0..1
     waiting: int
     running: int
+    prefill_fraction: float = 0.0  # of the wall seconds, those its steps spent on prompt tokens, 0..1
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class PoolSignals:
     waiting: float  # mean waiting requests per worker
     latency_pressure: float | None
     load_pressure: float
+    local_prefill: float = 0.0  # mean prefill fraction of its workers (a decode pool's spilled prompts)
 
     @property
     def pressure(self) -> float:
@@ -145,11 +153,14 @@ class SignalWindow:
         for role in roles.values():
             counts[role] = counts.get(role, 0) + 1
         ttfts = [r.ttft_s for r in reqs if r.ttft_s is not None]
+        local = [r.ttft_s for r in reqs if r.ttft_s is not None and r.first_role == "decode"]
+        remote = [r.ttft_s for r in reqs if r.ttft_s is not None and r.first_role in (None, "prefill")]
         tpots = [r.tpot_s for r in reqs if r.tpot_s is not None]
-        # which SLO bounds a pool: TTFT the prefill pool's, TPOT the decode pool's; a colocated
-        # pool answers for both, so the one further off is its latency
-        slos = {"prefill": [(ttfts, t.ttft_s)], "decode": [(tpots, t.tpot_s)],
-                "colocated": [(ttfts, t.ttft_s), (tpots, t.tpot_s)]}
+        # which SLO bounds a pool: TTFT the prefill pool's, TPOT the decode pool's, and the TTFT of
+        # the prompts a decode worker prefilled itself its own (their wait is in its queue); a
+        # colocated pool answers for both; the one further off is a pool's latency
+        slos = {"prefill": [(remote, t.ttft_s, "ttft")], "decode": [(tpots, t.tpot_s, "tpot"), (local, t.ttft_s, "ttft")],
+                "colocated": [(ttfts, t.ttft_s, "ttft"), (tpots, t.tpot_s, "tpot")]}
         pools = {role: self._pool(role, n, polls.get(role, []), slos.get(role, []))
                  for role, n in sorted(counts.items())}
         # live, a disaggregated request leaves two samples: its TTFT where its first token was
@@ -165,22 +176,26 @@ class SignalWindow:
                        quantile(outputs, 0.9), pools)
 
     def _pool(self, role: str, workers: int, polls: list[WorkerSample],
-              slos: list[tuple[list[float], float]]) -> PoolSignals:
+              slos: list[tuple[list[float], float, str]]) -> PoolSignals:
         t = self.targets
         busy = sum(p.busy_fraction for p in polls) / len(polls) if polls else 0.0
         kv = sum(p.kv_usage for p in polls) / len(polls) if polls else 0.0
         waiting = sum(p.waiting for p in polls) / len(polls) if polls else 0.0
+        local = sum(p.prefill_fraction for p in polls) / len(polls) if polls else 0.0
         # a prefill worker's busy time is its prompts' work, so it measures how full the pool is;
         # a decode worker steps whenever one sequence runs, so there KV room is the measure
         load = busy / t.utilization if role == "prefill" else kv / t.kv_high
+        # of a decode pool's TPOT, the share its own prompts took is not decode's (see above)
+        decode_share = max(0.0, 1.0 - local / busy) if role == "decode" and busy > 0.0 else 1.0
         worst: tuple[float, float, float] | None = None  # (pressure, latency, attainment)
-        for latencies, slo in slos:
+        for latencies, slo, kind in slos:
             if not latencies or not slo > 0:
                 continue
             latency = quantile(latencies, t.attainment)
             attained = sum(1 for x in latencies if x <= slo) / len(latencies)
-            if worst is None or latency / slo > worst[0]:
-                worst = (latency / slo, latency, attained)
+            pressure = latency / slo * (decode_share if kind == "tpot" else 1.0)
+            if worst is None or pressure > worst[0]:
+                worst = (pressure, latency, attained)
         if worst is None:
-            return PoolSignals(role, workers, None, None, busy, kv, waiting, None, load)
-        return PoolSignals(role, workers, worst[1], worst[2], busy, kv, waiting, worst[0], load)
+            return PoolSignals(role, workers, None, None, busy, kv, waiting, None, load, local)
+        return PoolSignals(role, workers, worst[1], worst[2], busy, kv, waiting, worst[0], load, local)

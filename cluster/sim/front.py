@@ -71,7 +71,8 @@ class SimFront:
         self.t0 = 0.0
         self._by_wire: dict[str, _Flight] = {}
         self._in_flight = 0
-        self.on_finished: list[Callable[[RequestRecord], None]] = []  # each measured or warm-up record, at its end
+        # each measured or warm-up record at its end, with the role of the worker that made its first token
+        self.on_finished: list[Callable[[RequestRecord, str | None], None]] = []
         for w in workers:
             w.emit = self._deliver
         # Both loops run as long as the simulation does (the run stops once the client is done).
@@ -229,8 +230,9 @@ class SimFront:
                         self.sims[wid].submit(lambda w=self.sims[wid]: w.core.abort_request(flight.wire_id))
             if self.admission is not None:
                 self.admission.release(flight.wire_id)
+        first_role = flight.placed.first.role if flight.placed is not None else None
         for fn in self.on_finished:
-            fn(rec)
+            fn(rec, first_role)
         for fn in flight.on_done:
             fn()
 

@@ -41,7 +41,7 @@ class SimRebalance:
         self.loop, self.front, self.rebalancer, self.window = loop, front, rebalancer, window
         self.interval_s, self.dry_run = interval_s, dry_run
         self.since = {wid: loop.now for wid in front.refs}  # when each worker took its role
-        self._busy = {wid: w.core.busy_seconds for wid, w in front.sims.items()}
+        self._busy = {wid: (w.core.busy_seconds, w.core.prefill_seconds) for wid, w in front.sims.items()}
         self._polled = loop.now
         self.decisions: list[RebalanceDecision] = []  # those that acted; holds are counted by reason
         self.holds: dict[str, int] = {}
@@ -49,21 +49,23 @@ class SimRebalance:
         front.on_finished.append(self._finished)
         loop.after(interval_s, self._tick)
 
-    def _finished(self, rec: RequestRecord) -> None:
+    def _finished(self, rec: RequestRecord, first_role: str | None) -> None:
         if not rec.ok:
             return
         self.window.add_request(RequestSample(self.loop.now, rec.prompt_len, rec.cached_tokens or 0,
-                                              rec.output_tokens, rec.ttft, rec.tpot))
+                                              rec.output_tokens, rec.ttft, rec.tpot, first_role))
 
     def _poll(self) -> None:
         now, elapsed = self.loop.now, max(self.loop.now - self._polled, 1e-9)
         for wid, sim in self.front.sims.items():
-            busy = sim.core.busy_seconds
+            busy, prefill = sim.core.busy_seconds, sim.core.prefill_seconds
+            was, was_prefill = self._busy[wid]
             bm = sim.core.block_manager
-            self.window.add_poll(WorkerSample(now, wid, sim.role, min((busy - self._busy[wid]) / elapsed, 1.0),
+            self.window.add_poll(WorkerSample(now, wid, sim.role, min((busy - was) / elapsed, 1.0),
                                               1.0 - bm.num_free_blocks / max(bm.num_blocks, 1),
-                                              sim.core.num_waiting, len(sim.core.scheduler.requests)))
-            self._busy[wid] = busy
+                                              sim.core.num_waiting, len(sim.core.scheduler.requests),
+                                              min((prefill - was_prefill) / elapsed, 1.0)))
+            self._busy[wid] = (busy, prefill)
         self._polled = now
 
     def view(self) -> ClusterView:

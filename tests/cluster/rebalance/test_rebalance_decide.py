@@ -117,17 +117,24 @@ def test_bounds_dwell_cooldown_and_the_cap_hold_over_any_sequence(steps, n_p, n_
                            can_add={"prefill": True, "decode": True})
         d = r.decide(_signals({"prefill": _pool("prefill", counts["prefill"], load_p),
                                "decode": _pool("decode", counts["decode"], load_d)}), view)
-        assert len(d.actions) <= 1
-        for a in d.actions:
+        if d.actions:  # the cool-down and the cap count decisions; the bounds count workers
             assert not acted or now - acted[-1] >= policy.cooldown_s
             assert sum(1 for t in acted if t >= now - policy.window_s) < policy.max_actions_per_window
             acted.append(now)
+            assert len({a.kind for a in d.actions}) == 1 and len({a.worker_id for a in d.actions}) == len(d.actions)
+            assert len(d.actions) <= max(1, int(policy.step_fraction * sum(counts.values())))
+            assert d.actions[0].kind == "flip" or len(d.actions) == 1
+            moved = len(d.actions)
+            if d.actions[0].kind in ("flip", "remove"):
+                donor = workers[d.actions[0].worker_id][0]
+                assert counts[donor] - moved >= policy.lower(donor)
+                load = load_p if donor == "prefill" else load_d
+                assert load * counts[donor] / (counts[donor] - moved) < policy.slack  # room kept
+            if d.actions[0].kind in ("flip", "add"):
+                assert counts[d.actions[0].role] + moved <= policy.upper(d.actions[0].role)
+        for a in d.actions:
             if a.kind in ("flip", "remove"):
-                role, since = workers[a.worker_id]
-                assert now - since >= policy.min_dwell_s
-                assert counts[role] - 1 >= policy.lower(role)
-            if a.kind in ("flip", "add"):
-                assert counts[a.role] + 1 <= policy.upper(a.role)
+                assert now - workers[a.worker_id][1] >= policy.min_dwell_s
             if a.kind == "flip":
                 workers[a.worker_id] = (a.role, now)
             elif a.kind == "remove":
@@ -210,3 +217,38 @@ def test_a_load_shift_moves_workers_toward_the_short_pool_and_back_then_settles(
     settled = [e for e in plant.log if e[0] > 2400.0 + 300.0]
     assert settled == [] and flips_before == 1 and len(plant.log) <= 4
     assert all(k == "flip" for _, k, _, _ in plant.log)
+
+
+def test_a_tpot_slowed_by_local_prefill_flips_no_prefill_worker_to_decode():
+    # TPOT twice its SLO, but the decode workers spend 80% of their busy time on prompts they
+    # prefill themselves: a prefill worker more in decode would not help; nothing is short
+    window = SignalWindow(60.0, Targets(ttft_s=1.0, tpot_s=0.1, utilization=0.8, kv_high=0.9))
+    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    for t in range(0, 60, 10):
+        for w, role in roles.items():
+            window.add_poll(WorkerSample(float(t), w, role, 0.2 if role == "prefill" else 1.0, 0.1, 0, 2,
+                                         0.2 if role == "prefill" else 0.8))
+        for _ in range(5):
+            window.add_request(RequestSample(float(t), 1000, 0, 16, 0.5, 0.2))
+    d = Rebalancer(POLICY).decide(window.signals(60.0, roles), _view(1000.0, {"prefill": 2, "decode": 2}))
+    assert d.pressures["decode"] == pytest.approx(2.0 * 0.2) and d.actions == []
+
+
+def test_a_large_cluster_moves_several_workers_in_one_decision_within_its_step():
+    # prefill at 2.4 on 8 workers comes to the middle of the band (0.85) on 23: 15 more; decode
+    # at 0.2 on 56 can spare many
+    d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 2.4), "decode": _pool("decode", 56, 0.2)}),
+                                  _view(1000.0, {"prefill": 8, "decode": 56}))
+    assert [a.kind for a in d.actions] == ["flip"] * 15 and {a.role for a in d.actions} == {"prefill"}
+    # at 3.0 it would take 21 more; one decision moves a quarter of the 64 at most
+    d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 3.0), "decode": _pool("decode", 56, 0.2)}),
+                                  _view(1000.0, {"prefill": 8, "decode": 56}))
+    assert len(d.actions) == 16
+    # a smaller shortage moves only what it needs: 1.2 on 8 is 0.85 on 12 (the band's middle)
+    d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 1.2), "decode": _pool("decode", 56, 0.2)}),
+                                  _view(1000.0, {"prefill": 8, "decode": 56}))
+    assert len(d.actions) == 4
+    # and no more than the donor can spare: decode at 0.6 on 56 stays below 0.7 down to 49
+    d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 2.4), "decode": _pool("decode", 56, 0.6)}),
+                                  _view(1000.0, {"prefill": 8, "decode": 56}))
+    assert len(d.actions) == 7  # 0.6 * 56 / 49 = 0.686 < 0.7; on 48 it would be 0.7

@@ -91,3 +91,43 @@ def test_a_pool_without_requests_has_no_latency_part():
 def test_a_window_must_be_positive():
     with pytest.raises(ValueError, match="window_s"):
         SignalWindow(0.0)
+
+
+def test_a_decode_pools_own_prefill_is_not_decode_demand():
+    # the two decode workers spend half their 0.9 busy time on prompts they prefill themselves:
+    # of the slow TPOT only the decode share (0.45 of 0.9) is the decode pool's; the prefill
+    # pool's signals are its own
+    w = SignalWindow(60.0, Targets(ttft_s=1.0, tpot_s=0.1, utilization=0.8, kv_high=0.9))
+    w.add_poll(WorkerSample(1.0, "prefill-0", "prefill", 0.6, 0.1, 2, 1))
+    for d in ("decode-0", "decode-1"):
+        w.add_poll(WorkerSample(1.0, d, "decode", 0.9, 0.3, 0, 4, prefill_fraction=0.45))
+    for i in range(10):
+        w.add_request(_req(float(i), ttft=0.5, tpot=0.3))
+    s = w.signals(10.0, ROLES)
+    pre, dec = s.pools["prefill"], s.pools["decode"]
+    assert pre.load_pressure == pytest.approx(0.6 / 0.8) and pre.latency_pressure == pytest.approx(0.5)
+    assert dec.local_prefill == pytest.approx(0.45)
+    assert dec.latency_pressure == pytest.approx(3.0 * 0.5)  # TPOT 0.3 s over 0.1 s, half of it decode's
+    assert dec.load_pressure == pytest.approx(0.3 / 0.9)  # KV room is unchanged
+
+
+def test_without_local_prefill_the_decode_pool_keeps_its_latency():
+    w = SignalWindow(60.0, Targets(utilization=0.8))
+    w.add_poll(WorkerSample(1.0, "prefill-0", "prefill", 0.6, 0.1, 0, 1))
+    w.add_poll(WorkerSample(1.0, "decode-0", "decode", 0.9, 0.3, 0, 4))
+    for i in range(10):
+        w.add_request(_req(float(i), tpot=0.3))
+    assert w.signals(10.0, ROLES).pools["decode"].latency_pressure == pytest.approx(3.0)
+
+
+def test_a_prompt_prefilled_on_its_decode_worker_counts_against_the_decode_pool():
+    # short prompts kept on overloaded decode workers wait 4 s for their first token there; the
+    # prefill pool's own prompts are fast: the decode pool is short, not the prefill pool
+    w = SignalWindow(60.0, Targets(ttft_s=1.0, tpot_s=0.1, attainment=0.9))
+    for i in range(10):
+        w.add_request(RequestSample(float(i), 2000, 0, 16, 0.3, 0.05, "prefill"))
+        w.add_request(RequestSample(float(i), 64, 0, 256, 4.0, 0.05, "decode"))
+    s = w.signals(10.0, ROLES)
+    assert s.pools["prefill"].latency_pressure == pytest.approx(0.3)
+    assert s.pools["decode"].latency_pressure == pytest.approx(4.0)
+    assert s.pools["decode"].latency_s == pytest.approx(4.0) and s.pools["decode"].attainment == 0.0
