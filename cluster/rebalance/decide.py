@@ -7,8 +7,9 @@ once, one action a decision at most:
 
 - **flip**: one pool is short (pressure above ``enter``) and the other would still have room
   without its least loaded workers (its pressure, projected on that many fewer, below ``slack``).
-  How many move at once: as many as the short pool's pressure, shared by more workers, needs to
-  come down to between ``slack`` and ``enter``, no more than the other can spare, and at most
+  How many move at once: as many as the short pool's load, shared by more workers, needs to
+  come down to between ``slack`` and ``enter`` (one where only its latency is over), no more
+  than the other can spare, and at most
   ``step_fraction`` of the two pools (at least one): a 64-worker cluster does not take an hour of
   cool-downs to follow a shift that one worker at a time would.
 - **add** (with ``scale``): a pool is short, nothing can be flipped to it, it is below its ``max``
@@ -204,12 +205,13 @@ class Rebalancer:
         return sorted(ready, key=lambda w: (w.running + w.waiting, w.kv_usage, w.worker_id))[:k]
 
     def _needed(self, pool: PoolSignals, workers: int) -> int:
-        """Workers to add to a short pool for its pressure, shared by more, to come down to the
-        middle of the band: the latency part does not project, so both parts are taken to scale
-        as the load does."""
+        """Workers to add to a short pool: as many as bring its load part, shared by more, to the
+        middle of the band; one where only its latency is over (latency does not project: a
+        queue's wait falls much faster than the load once there is room, so scaling by it
+        overshoots)."""
         aim = (self.policy.enter + self.policy.slack) / 2
         k = 1
-        while pool.pressure * workers / (workers + k) > aim and k < 1024:
+        while pool.projected(workers + k) > aim and k < 1024:
             k += 1
         return k
 

@@ -244,6 +244,11 @@ def test_a_large_cluster_moves_several_workers_in_one_decision_within_its_step()
     d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 3.0), "decode": _pool("decode", 56, 0.2)}),
                                   _view(1000.0, {"prefill": 8, "decode": 56}))
     assert len(d.actions) == 16
+    # where only latency is over, one worker: a queue's wait does not scale with the pool
+    d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 0.5, latency=2.4),
+                                            "decode": _pool("decode", 56, 0.2)}),
+                                  _view(1000.0, {"prefill": 8, "decode": 56}))
+    assert len(d.actions) == 1
     # a smaller shortage moves only what it needs: 1.2 on 8 is 0.85 on 12 (the band's middle)
     d = Rebalancer(POLICY).decide(_signals({"prefill": _pool("prefill", 8, 1.2), "decode": _pool("decode", 56, 0.2)}),
                                   _view(1000.0, {"prefill": 8, "decode": 56}))
