@@ -151,14 +151,7 @@ class CompletionCost(RoutingPolicy):
             first = fits[o[2].worker_id]
             return first, fits[o[3].worker_id] if o[3] is not None else first
 
-        # near: within the tolerance in cost and in the estimated time to the first token; on
-        # cost alone, most of it the decode time all options share, a prefill worker with
-        # seconds of queue passed for near and, its cache the roomiest, took every new prompt
-        soonest = min(o[1] for o in options)
-        near = [o for o in self._within(options, self.placement_tolerance)
-                if o[1] <= soonest * (1 + self.placement_tolerance) + 1e-6]
-        if not near:
-            return None
+        near = self._within(options, self.placement_tolerance)
         most = max(room(o) for o in near)
         if most[0] < 1 or all(room(o) == most for o in tied):
             return None

@@ -198,21 +198,6 @@ def test_a_new_prefix_goes_to_the_roomier_cache_when_the_estimates_differ_by_fit
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_a_roomier_cache_does_not_draw_new_prompts_into_a_long_queue(seed: int) -> None:
-    """A short prompt with a long output: the decode time all options share is most of the cost,
-    so a prefill worker with seconds of queue is within the tolerance in cost, not in time to the
-    first token. The roomier cache behind the queue must not take it (in a simulated day every
-    chat prompt went to one prefill worker this way, its TTFT 3 s while seven others idled)."""
-    queued = _worker("w0", "prefill", pending=4000, outstanding=50, free_blocks=900)
-    idle = _worker("w1", "prefill", free_blocks=900)
-    d = [_worker("d0", "decode", running=64)]
-    pol = make_policy("cost", seed=seed, conditional_disaggregation=False)
-    x = pol.route(_request(prompt_len=64, max_tokens=256),
-                  Candidates([queued, idle], d, {}, cached_blocks={"w0": 0, "w1": 800}))
-    assert x.first.worker_id == "w1" and x.reason != "cache_room"
-
-
-@pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("layout", ["2P+2D", "colocated"])
 def test_new_prefixes_spread_over_every_worker_of_a_pool_of_equals(seed: int, layout: str) -> None:
     """A deployment's first prompts, one at a time on idle identical workers (a benchmark's warm-up):
