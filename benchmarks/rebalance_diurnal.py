@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.rebalance_sim import per_window  # noqa: E402
+from benchmarks.rebalance_sim import sim_run, write_outputs  # noqa: E402
 
 
 def day_curve(t: float, day_s: float, low: float, shift: float = 0.0) -> float:
@@ -82,9 +82,7 @@ def main() -> int:
     from cluster.bench.plan import Layout
     from cluster.bench.runner import BenchConfig
     from cluster.bench.workload import WorkloadConfig
-    from cluster.config import load_config
     from cluster.sim.profile import LatencyProfile
-    from cluster.sim.run import SimHardware, simulate
 
     w = args.workers
     try:
@@ -104,22 +102,9 @@ def main() -> int:
     runs.append((f"{args.start}P+{w - args.start}D rebalanced", Layout(args.start, w - args.start), True))
     rows = []
     for name, layout, on in runs:
-        cfg = load_config(None).with_overrides(**{
-            "pools.prefill": layout.prefill, "pools.decode": layout.decode, "rebalance.enabled": on,
-            "rebalance.ttft_target_s": args.ttft_slo_s, "rebalance.tpot_target_s": args.tpot_slo_s,
-            "rebalance.window_s": args.rebalance_window_s})
-        res = simulate(cfg, layout, bench, profile, SimHardware(0, int(profile.machine.get("threads", 1))),
-                       seed=args.seed)
-        s = res.summary
-        flips = res.rebalance["flips"] if res.rebalance else []
-        row = {"run": name, "completed": s["completed"], "failed": s["failed"],
-               "slo_attainment": round(s.get("slo_attainment", 0.0), 4),
-               "goodput": round(s.get("request_goodput", 0.0), 4),
-               "p99_ttft_ms": round(s["p99_ttft_ms"], 1), "p99_tpot_ms": round(s["p99_tpot_ms"], 1),
-               "windows": per_window(res.records, slo, args.window_s, args.day_s),
-               "prefill_workers": _prefill_over_time(layout.prefill, flips, args.window_s, args.day_s),
-               "flips": flips, "holds": res.rebalance["holds"] if res.rebalance else {},
-               "wall_s": round(res.wall_s, 1)}
+        row = sim_run(name, layout, on, bench, profile, slo, args.ttft_slo_s, args.tpot_slo_s,
+                      args.rebalance_window_s, args.window_s, args.day_s, args.seed)
+        row["prefill_workers"] = _prefill_over_time(layout.prefill, row["flips"], args.window_s, args.day_s)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("windows", "flips")}), flush=True)
     result = {"benchmark": "rebalance_diurnal", "date": date.today().isoformat(), "python": platform.python_version(),
@@ -129,13 +114,7 @@ def main() -> int:
               "classes": {"chat": dict(zip(("prompt", "output", "peak_rate"), chat)),
                           "batch": dict(zip(("prompt", "output", "peak_rate"), batch))},
               "slo": slo.as_dict(), "window_s": args.window_s, "requests": n, "runs": rows}
-    md = markdown(result)
-    print(md)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        out.with_suffix(".md").write_text(md, encoding="utf-8")
+    write_outputs(Path(args.out) if args.out else None, result, markdown(result))
     return 0
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import cpu_name  # noqa: E402
-from benchmarks.rebalance_sim import make_trace, parse_phases, per_window  # noqa: E402
+from benchmarks.rebalance_sim import make_trace, parse_phases, per_window, write_outputs  # noqa: E402
 
 
 def _rebalance(args: argparse.Namespace, on: bool) -> dict:
@@ -146,13 +146,7 @@ def main() -> int:
               " ".join(sys.argv[1:]), "phases": [{"prompt": p, "output": o, "rate": r, "seconds": args.phase_s}
                                                  for (p, o), r in zip(shapes, rates)],
               "slo": slo.as_dict(), "rebalance": _rebalance(args, True), "requests": n, "runs": runs}
-    md = markdown(result, args.report_window_s)
-    print(md)
-    if args.out:
-        out_path = Path(args.out)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        out_path.with_suffix(".md").write_text(md, encoding="utf-8")
+    write_outputs(Path(args.out) if args.out else None, result, markdown(result, args.report_window_s))
     return 0
 
 

@@ -63,6 +63,37 @@ def per_window(records, slo, window_s: float, end_s: float) -> list[dict]:
     return out
 
 
+def sim_run(name: str, layout, rebalanced: bool, bench, profile, slo, ttft_s: float, tpot_s: float,
+            rebalance_window_s: float, report_window_s: float, end_s: float, seed: int) -> dict:
+    """One layout in ``baton plan sim``, the rebalancer on or off, as a results row: the summary,
+    attainment per report window, the flips and how often each hold came."""
+    from cluster.config import load_config
+    from cluster.sim.run import SimHardware, simulate
+
+    cfg = load_config(None).with_overrides(**{
+        "pools.prefill": layout.prefill, "pools.decode": layout.decode, "rebalance.enabled": rebalanced,
+        "rebalance.ttft_target_s": ttft_s, "rebalance.tpot_target_s": tpot_s,
+        "rebalance.window_s": rebalance_window_s})
+    res = simulate(cfg, layout, bench, profile, SimHardware(0, int(profile.machine.get("threads", 1))), seed=seed)
+    s = res.summary
+    return {"run": name, "completed": s["completed"], "failed": s["failed"],
+            "slo_attainment": round(s.get("slo_attainment", 0.0), 4), "goodput": round(s.get("request_goodput", 0.0), 4),
+            "p99_ttft_ms": round(s["p99_ttft_ms"], 1), "p99_tpot_ms": round(s["p99_tpot_ms"], 1),
+            "windows": per_window(res.records, slo, report_window_s, end_s),
+            "flips": res.rebalance["flips"] if res.rebalance else [],
+            "holds": res.rebalance["holds"] if res.rebalance else {}, "wall_s": round(res.wall_s, 1)}
+
+
+def write_outputs(out: Path | None, result: dict, md: str) -> None:
+    """Print the markdown; with ``out``, write the result there as JSON and the markdown beside it."""
+    print(md)
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    out.with_suffix(".md").write_text(md, encoding="utf-8")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)
@@ -83,9 +114,7 @@ def main() -> int:
     from cluster.bench.plan import Layout
     from cluster.bench.runner import BenchConfig
     from cluster.bench.workload import WorkloadConfig
-    from cluster.config import load_config
     from cluster.sim.profile import LatencyProfile
-    from cluster.sim.run import SimHardware, simulate
 
     try:
         shapes, rates = parse_phases(args.shapes, args.rates)
@@ -104,19 +133,8 @@ def main() -> int:
     runs.append((f"{w // 2}P+{w - w // 2}D rebalanced", Layout(w // 2, w - w // 2), True))
     rows = []
     for name, layout, on in runs:
-        cfg = load_config(None).with_overrides(**{
-            "pools.prefill": layout.prefill, "pools.decode": layout.decode, "rebalance.enabled": on,
-            "rebalance.ttft_target_s": args.ttft_slo_s, "rebalance.tpot_target_s": args.tpot_slo_s,
-            "rebalance.window_s": args.window_s})
-        res = simulate(cfg, layout, bench, profile, SimHardware(0, int(profile.machine.get("threads", 1))),
-                       seed=args.seed)
-        s = res.summary
-        row = {"run": name, "completed": s["completed"], "failed": s["failed"],
-               "slo_attainment": round(s.get("slo_attainment", 0.0), 4), "goodput": round(s.get("request_goodput", 0.0), 4),
-               "p99_ttft_ms": round(s["p99_ttft_ms"], 1), "p99_tpot_ms": round(s["p99_tpot_ms"], 1),
-               "windows": per_window(res.records, slo, args.window_s, end_s),
-               "flips": res.rebalance["flips"] if res.rebalance else [],
-               "holds": res.rebalance["holds"] if res.rebalance else {}, "wall_s": round(res.wall_s, 1)}
+        row = sim_run(name, layout, on, bench, profile, slo, args.ttft_slo_s, args.tpot_slo_s, args.window_s,
+                      args.window_s, end_s, args.seed)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "windows"}), flush=True)
     result = {"benchmark": "rebalance_sim", "date": date.today().isoformat(), "python": platform.python_version(),
@@ -125,12 +143,7 @@ def main() -> int:
               "phases": [{"prompt": p, "output": o, "rate": r, "seconds": args.phase_s}
                          for (p, o), r in zip(shapes, rates)],
               "slo": slo.as_dict(), "window_s": args.window_s, "requests": n, "runs": rows}
-    md = markdown(result)
-    print(md)
-    if out_path:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        out_path.with_suffix(".md").write_text(md, encoding="utf-8")
+    write_outputs(out_path, result, markdown(result))
     return 0
 
 
