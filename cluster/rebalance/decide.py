@@ -3,15 +3,14 @@ role, which pool grows or shrinks, or why nothing does.
 
 Plain, synchronous code, like the front's decisions (``cluster.front``): the controller and the
 simulator build a ``ClusterView`` and carry out the ``Action``s. It decides for both pools at
-once, one action a decision at most:
+once; a decision is one kind of action (a flip may move several workers):
 
 - **flip**: one pool is short (pressure above ``enter``) and the other would still have room
   without its least loaded workers (its pressure, projected on that many fewer, below ``slack``).
-  How many move at once: as many as the short pool's load, shared by more workers, needs to
-  come down to between ``slack`` and ``enter`` (one where only its latency is over), no more
-  than the other can spare, and at most
-  ``step_fraction`` of the two pools (at least one): a 64-worker cluster does not take an hour of
-  cool-downs to follow a shift that one worker at a time would.
+  How many move at once: as many as the short pool's load, shared by more workers, needs to come
+  down to between ``slack`` and ``enter`` (one where only its latency is over), no more than the
+  other can spare, and at most ``step_fraction`` of the two pools (at least one): a 64-worker
+  cluster does not take an hour of cool-downs to follow a shift that one worker at a time would.
 - **add** (with ``scale``): a pool is short, nothing can be flipped to it, it is below its ``max``
   and the cluster has room for one more worker of it.
 - **remove** (with ``scale``): no pool is short and one would stay below ``slack`` with one worker

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.rebalance.decide import ClusterView, RebalanceDecision, Rebalancer, WorkerView
-from cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample
+from cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample, time_share
 
 log = logging.getLogger("baton.rebalance")
 
@@ -62,9 +62,9 @@ class LiveRebalance:
             then, was, was_prefill = self._busy.get(wid, (now, busy, prefill))
             self._busy[wid] = (now, busy, prefill)
             wall = now - then
-            self.window.add_poll(WorkerSample(now, wid, m.role, _share(busy - was, wall),
+            self.window.add_poll(WorkerSample(now, wid, m.role, time_share(busy - was, wall),
                                               float(st.get("kv_cache_usage", 0.0)), int(st.get("num_waiting", 0)),
-                                              int(st.get("num_running", 0)), _share(prefill - was_prefill, wall)))
+                                              int(st.get("num_running", 0)), time_share(prefill - was_prefill, wall)))
         view = ClusterView(now, [WorkerView(wid, m.role, m.role_since, int((m.stats or {}).get("num_running", 0)),
                                             int((m.stats or {}).get("num_waiting", 0)),
                                             float((m.stats or {}).get("kv_cache_usage", 0.0)), m.draining)
@@ -97,8 +97,3 @@ class LiveRebalance:
         """For the controller's snapshot: what it is set to, counts, the last decision, the last acts."""
         return {"enabled": True, "dry_run": self.section.dry_run, "interval_s": self.section.interval_s,
                 "counts": dict(sorted(self.counts.items())), "last": self.last, "acted": list(self.acted)}
-
-
-def _share(seconds: float, wall: float) -> float:
-    """``seconds`` of engine time over ``wall`` seconds, clamped to 0..1."""
-    return min(max(seconds / wall, 0.0), 1.0) if wall > 0 else 0.0

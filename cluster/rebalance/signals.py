@@ -52,6 +52,11 @@ class WorkerSample:
     prefill_fraction: float = 0.0  # of the wall seconds, those its steps spent on prompt tokens, 0..1
 
 
+def time_share(seconds: float, wall: float) -> float:
+    """``seconds`` of engine time over ``wall`` seconds, clamped to 0..1 (0 over no time)."""
+    return min(max(seconds / wall, 0.0), 1.0) if wall > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Targets:
     """The SLOs the pools are sized for, and the load each pool may run at."""
@@ -76,7 +81,7 @@ class PoolSignals:
     waiting: float  # mean waiting requests per worker
     latency_pressure: float | None
     load_pressure: float
-    local_prefill: float = 0.0  # mean prefill fraction of its workers (a decode pool's spilled prompts)
+    local_prefill: float = 0.0  # mean prefill fraction of its workers: prompts they prefilled themselves
 
     @property
     def pressure(self) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 
 from cluster.bench.metrics import RequestRecord
 from cluster.rebalance.decide import Action, ClusterView, RebalanceDecision, Rebalancer, WorkerView
-from cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample
+from cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample, time_share
 from cluster.sim.events import EventLoop
 from cluster.sim.front import SimFront
 
@@ -56,15 +56,15 @@ class SimRebalance:
                                               rec.output_tokens, rec.ttft, rec.tpot, first_role))
 
     def _poll(self) -> None:
-        now, elapsed = self.loop.now, max(self.loop.now - self._polled, 1e-9)
+        now, elapsed = self.loop.now, self.loop.now - self._polled
         for wid, sim in self.front.sims.items():
             busy, prefill = sim.core.busy_seconds, sim.core.prefill_seconds
             was, was_prefill = self._busy[wid]
             bm = sim.core.block_manager
-            self.window.add_poll(WorkerSample(now, wid, sim.role, min((busy - was) / elapsed, 1.0),
+            self.window.add_poll(WorkerSample(now, wid, sim.role, time_share(busy - was, elapsed),
                                               1.0 - bm.num_free_blocks / max(bm.num_blocks, 1),
                                               sim.core.num_waiting, len(sim.core.scheduler.requests),
-                                              min((prefill - was_prefill) / elapsed, 1.0)))
+                                              time_share(prefill - was_prefill, elapsed)))
             self._busy[wid] = (busy, prefill)
         self._polled = now
 
