@@ -100,22 +100,30 @@ def test_three_times_overload_then_back_to_baseline(ray_session, tiny_model_dir)
                 codes, served = await _open_loop(client, url, rate, OVERLOAD_S)
                 print(f"overload done: {codes}", flush=True)
                 after = await _closed_loop(client, url, AFTER_S)
+                control = await _closed_loop(client, url, BASELINE_S)
                 status = (await client.get(base + "/status")).json()
-            return baseline, rate, codes, served, after, status
+            return baseline, rate, codes, served, after, control, status
 
-        baseline, rate, codes, served, after, status = asyncio.run(drill())
+        baseline, rate, codes, served, after, control, status = asyncio.run(drill())
         base_p50 = statistics.median(lat for _, lat in baseline)
-        bound = max(1.5 * base_p50, base_p50 + 0.05)
+        control_p50 = statistics.median(lat for _, lat in control)
+        # A shared CI machine can slow down for minutes on its own: the settled latency is judged
+        # against the slower of the normal load before and the normal load after the drill, and a
+        # lasting slowdown (state the overload left behind) is caught by the looser second bound.
+        reference = max(base_p50, control_p50)
+        bound = max(1.5 * reference, reference + 0.05)
         seconds = sorted({int(start) for start, _ in after})
         medians = {s: statistics.median(lat for start, lat in after if int(start) == s) for s in seconds}
         settled = statistics.median(lat for start, lat in after if RECOVERED_WITHIN_S - 2 <= start)
-        print(f"normal-load p50 {base_p50 * 1e3:.1f} ms ({len(baseline) / BASELINE_S:.1f} req/s); "
+        print(f"normal-load p50 {base_p50 * 1e3:.1f} ms ({len(baseline) / BASELINE_S:.1f} req/s), "
+              f"{control_p50 * 1e3:.1f} ms after the drill; "
               f"overload {rate:.1f} req/s for {OVERLOAD_S:g} s: {codes}, served p50 "
               f"{statistics.median(served) * 1e3:.0f} ms; after, per second: "
               + ", ".join(f"{s}s {medians[s] * 1e3:.0f} ms" for s in seconds))
         assert set(codes) <= {200, 429} and codes.get(429, 0) > 0 and codes.get(200, 0) > 0, codes
-        # From 8 s after the overload on, requests take what they took before it.
+        # From 8 s after the overload on, requests take what normal load takes.
         assert settled <= bound, (settled, bound, medians)
+        assert control_p50 <= 2.5 * base_p50 + 0.05, (control_p50, base_p50)
         assert status["open_streams"] == 0 and status["ready"], status
         alive_idle(cluster, set(), num_blocks=NUM_BLOCKS)
     finally:
