@@ -34,7 +34,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 from benchmarks.machine import cpu_name, pct  # noqa: E402
 
@@ -49,14 +49,14 @@ def _proc_cpu_s(pid: int) -> float:
 # ---------------------------------------------------------------------------- 1. the gate
 def serve_gate(port: int, tenants: str) -> None:
     """The server side of part 1 (run in its own process): the OpenAI app with a gate in front."""
-    from cluster.admission.gate import IngressGate
-    from cluster.admission.tenants import TenantDirectory
-    from router.api import build_app
-    from router.gateway import Gateway
-    from router.server import run_server
-    from workers.engine.async_engine import AsyncEngine
-    from workers.engine.config import EngineConfig
-    from workers.llm import build_engine
+    from baton_serve.cluster.admission.gate import IngressGate
+    from baton_serve.cluster.admission.tenants import TenantDirectory
+    from baton_serve.router.api import build_app
+    from baton_serve.router.gateway import Gateway
+    from baton_serve.router.server import run_server
+    from baton_serve.workers.engine.async_engine import AsyncEngine
+    from baton_serve.workers.engine.config import EngineConfig
+    from baton_serve.workers.llm import build_engine
 
     engine, tokenizer, _ = build_engine(EngineConfig(dtype="float32", num_kv_blocks=64))
     client = AsyncEngine(engine)
@@ -66,8 +66,8 @@ def serve_gate(port: int, tenants: str) -> None:
 
 
 def gate_micro(n: int = 200_000) -> dict[str, float]:
-    from cluster.admission.gate import AdmissionError, IngressGate
-    from cluster.admission.tenants import Tenant, TenantDirectory, hash_key
+    from baton_serve.cluster.admission.gate import AdmissionError, IngressGate
+    from baton_serve.cluster.admission.tenants import Tenant, TenantDirectory, hash_key
 
     d = TenantDirectory({"flood": Tenant("flood", requests_per_second=0.001, request_burst=1)})
     d._by_digest[hash_key(FLOOD_KEY)] = "flood"
@@ -131,8 +131,8 @@ async def _flood_http(url: str, rate: float, seconds: float, connections: int) -
 
 
 def part_gate(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from cluster.admission.tenants import hash_key
-    from router.server import bind_socket
+    from baton_serve.cluster.admission.tenants import hash_key
+    from baton_serve.router.server import bind_socket
 
     tenants = workdir / "flood_tenants.toml"
     tenants.write_text(f'[tenants.flood]\napi_keys = ["{hash_key(FLOOD_KEY)}"]\nrequests_per_second = 0.001\n'
@@ -187,8 +187,8 @@ async def _ttft(client: Any, url: str, headers: dict[str, str], prompt: str, max
 
 
 def _deployment(workdir: Path, tenants: Path | None, model: str | None) -> Any:
-    from cluster.config import ClusterConfig
-    from cluster.serve import Deployment
+    from baton_serve.cluster.config import ClusterConfig
+    from baton_serve.cluster.serve import Deployment
 
     server: dict[str, Any] = {"model_name": "default"}
     if tenants is not None:
@@ -201,8 +201,7 @@ def _deployment(workdir: Path, tenants: Path | None, model: str | None) -> Any:
 
 def part_stage2(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import httpx
-
-    from router.server import ServerThread
+    from baton_serve.router.server import ServerThread
 
     dep = _deployment(workdir, None, args.model)
     server = ServerThread(dep.app).start()
@@ -239,8 +238,8 @@ def part_stage2(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def _stage2_micro(n: int = 20_000) -> float:
-    from cluster.admission.kv import KVAdmission, KVDemand
-    from cluster.admission.tenants import Tenant
+    from baton_serve.cluster.admission.kv import KVAdmission, KVDemand
+    from baton_serve.cluster.admission.tenants import Tenant
 
     kv = KVAdmission({f"w{i}": 4096 for i in range(4)}, block_size=16)
     tenant = Tenant("t")
@@ -270,8 +269,7 @@ async def _raw_post(port: int, request: bytes) -> int:
         writer.close()
 def part_flood(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import httpx
-
-    from cluster.admission.tenants import hash_key
+    from baton_serve.cluster.admission.tenants import hash_key
 
     rate = args.tenant_rate
     burst = rate * 5  # Poisson arrivals at the rate clump: a tenant keeping to its rate is not refused
@@ -282,10 +280,10 @@ def part_flood(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f'[tenants.warm]\napi_keys = ["{hash_key(WARM_KEY)}"]\n')
     # The front in its own process (an HTTPFront actor, as baton serve runs it): in this process,
     # the load generator's own work would hold the GIL the front needs.
-    from cluster.config import ClusterConfig
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
-    from router.server import bind_socket
+    from baton_serve.cluster.config import ClusterConfig
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.router.server import bind_socket
 
     config = ClusterConfig.model_validate({
         "engine": {"model": args.model, "dtype": "float32"}, "pools": {"colocated": 1},
@@ -382,9 +380,8 @@ def part_isolation(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     (cached in A's namespace only) and, alternately, a fresh prompt of the same length; A re-sends
     its own cached prompt, to show what a hit is worth."""
     import httpx
-
-    from cluster.admission.tenants import hash_key
-    from router.server import ServerThread
+    from baton_serve.cluster.admission.tenants import hash_key
+    from baton_serve.router.server import ServerThread
 
     tenants = workdir / "isolation.toml"
     tenants.write_text(f'[tenants.a]\napi_keys = ["{hash_key(A_KEY)}"]\n[tenants.b]\napi_keys = ["{hash_key(B_KEY)}"]\n')

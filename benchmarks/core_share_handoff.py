@@ -25,15 +25,14 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 
 def _worker(board: str, slot: int, steps: int, regions: int, release: bool) -> None:
     """One worker: warm up, then ``steps`` turns at the board; prints its median step in ms."""
     import torch
-
-    from kernels import openmp
-    from workers.actor.core_share import CoreShare
+    from baton_serve.kernels import openmp
+    from baton_serve.workers.actor.core_share import CoreShare
 
     torch.set_num_threads(2)
     seat = CoreShare(board, slot, cores=2, threads=2, release_team=openmp.release_team if release else None)
@@ -56,7 +55,7 @@ def _worker(board: str, slot: int, steps: int, regions: int, release: bool) -> N
 def run_variant(workers: int, variant: str, steps: int, regions: int) -> float:
     """Median step time (ms, mean over the workers) of ``workers`` processes sharing 2 cores.
     ``variant``: a GOMP_SPINCOUNT, with ``+release`` to end the team at each handoff."""
-    from workers.actor.core_share import create_board, remove_board
+    from baton_serve.workers.actor.core_share import create_board, remove_board
 
     spincount, _, release = variant.partition("+")
     board = create_board(workers)
@@ -79,7 +78,7 @@ def main() -> None:
         _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    from cluster.launcher import SHARE_SPINCOUNT
+    from baton_serve.cluster.launcher import SHARE_SPINCOUNT
 
     ap.add_argument("--spin-counts", nargs="+", default=["300000", "100000", SHARE_SPINCOUNT, "300000+release"],
                     help="GOMP_SPINCOUNT values (300000: libgomp's default; SHARE_SPINCOUNT: what sharing "

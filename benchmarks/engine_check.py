@@ -36,10 +36,9 @@ def hf_greedy(hf_model: Any, prompt: list[int], n: int, device: torch.device | s
 
 def greedy_parity(model_dir: Path, device: torch.device, new_tokens: int = 32, **engine: Any) -> dict[str, Any]:
     """Engine vs ``transformers`` on ``device`` in fp32: per prompt, how many leading tokens agree."""
+    from baton_serve.workers.llm import LLM
+    from baton_serve.workers.sampling.params import SamplingParams
     from transformers import AutoModelForCausalLM
-
-    from workers.llm import LLM
-    from workers.sampling.params import SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="float32", device=str(device), **engine)
     prompts = [llm.tokenizer.encode(p) for p in PARITY_PROMPTS]
@@ -61,8 +60,8 @@ def greedy_parity(model_dir: Path, device: torch.device, new_tokens: int = 32, *
 def offline_throughput(model_dir: Path, device: torch.device, dtype: str, num_requests: int, input_len: int,
                        output_len: int, seed: int = 0, **engine: Any) -> dict[str, Any]:
     """Output tok/s of ``LLM.generate`` on random-token prompts, all submitted at once (after one warm-up)."""
-    from workers.llm import LLM
-    from workers.sampling.params import SamplingParams
+    from baton_serve.workers.llm import LLM
+    from baton_serve.workers.sampling.params import SamplingParams
 
     llm = LLM(model=str(model_dir), dtype=dtype, device=str(device), **engine)
     g = torch.Generator().manual_seed(seed)

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
-from workers import LLM, SamplingParams  # noqa: E402
-from workers.blocks.manager import BlockManager  # noqa: E402
-from workers.engine.config import SchedulerConfig  # noqa: E402
-from workers.engine.request import Request  # noqa: E402
-from workers.engine.scheduler import Scheduler  # noqa: E402
-from workers.model.attention import AttentionMetadata  # noqa: E402
+from baton_serve.workers import LLM, SamplingParams  # noqa: E402
+from baton_serve.workers.blocks.manager import BlockManager  # noqa: E402
+from baton_serve.workers.engine.config import SchedulerConfig  # noqa: E402
+from baton_serve.workers.engine.request import Request  # noqa: E402
+from baton_serve.workers.engine.scheduler import Scheduler  # noqa: E402
+from baton_serve.workers.model.attention import AttentionMetadata  # noqa: E402
 
 
 def make_workload(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

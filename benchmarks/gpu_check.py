@@ -323,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"gpu_check: skipped (triton cannot be imported: {exc})")
         return 0
-    sys.path.insert(0, str(ROOT))
-    from kernels import reference, triton_ops
+    sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
+    from baton_serve.kernels import reference, triton_ops
 
     torch.manual_seed(0)
     s, dev = (SMOKE, torch.device("cpu")) if args.interpret_smoke else (REAL, torch.device("cuda"))
@@ -357,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
 def _latency_profile(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """``baton plan profile --device cuda`` of the engine stage's 1B model: step grids and the
     device-to-device KV copy (``collective`` needs a second GPU; NCCL does not pair a GPU with itself)."""
-    from cluster.sim.profiler import measure_profile
-    from workers.checkpoint.default_model import cache_root
+    from baton_serve.cluster.sim.profiler import measure_profile
+    from baton_serve.workers.checkpoint.default_model import cache_root
 
     work = Path(args.work_dir) if args.work_dir else cache_root() / "models"
     try:
@@ -375,9 +375,10 @@ def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) ->
     """Parity (fp32) and offline throughput (bf16) of the whole engine on ``device``."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
+    from baton_serve.workers.checkpoint.default_model import cache_root, default_model_path
+
     from benchmarks import engine_check
-    from workers.checkpoint.default_model import cache_root, default_model_path
 
     t0 = time.monotonic()
     work = Path(args.work_dir) if args.work_dir else cache_root() / "models"

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from workers.checkpoint.default_model import default_model_path
+        from baton_serve.workers.checkpoint.default_model import default_model_path
 
         model = str(default_model_path())
     started = time.monotonic()
@@ -331,5 +331,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
     raise SystemExit(main())

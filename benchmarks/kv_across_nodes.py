@@ -25,17 +25,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
 MODES = {"across_nodes": "node_b", "one_node": "node_a"}  # where the decode worker goes
 
 
 def _inner(args: argparse.Namespace) -> dict[str, Any]:
     import ray
-
-    from cluster.config import ClusterConfig
-    from cluster.front import PoolClient
-    from cluster.launcher import Cluster
-    from workers.sampling.params import SamplingParams
+    from baton_serve.cluster.config import ClusterConfig
+    from baton_serve.cluster.front import PoolClient
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.workers.sampling.params import SamplingParams
 
     config = ClusterConfig.model_validate({
         "engine": {"model": args.model, "dtype": args.dtype, "threads_per_worker": 1,

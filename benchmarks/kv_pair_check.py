@@ -32,7 +32,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def _caches(torch: Any, spec: dict[str, Any], device: Any, seed: int | None) -> list[tuple[Any, Any]]:
     """Per layer (K, V) of ``[blocks, block_size, heads, head_dim]`` in one allocation, as a worker
     holds them (``workers.kv.layout``): seeded random, or NaN-poisoned."""
-    from workers.kv.layout import allocate_kv
+    from baton_serve.workers.kv.layout import allocate_kv
 
     shape = (spec["blocks"], spec["block_size"], spec["heads"], spec["head_dim"])
     caches = allocate_kv(spec["layers"], shape, getattr(torch, spec["dtype"]), device)
@@ -55,7 +55,7 @@ def _ids(spec: dict[str, Any], rank: int) -> list[int]:
 def _rank_main(rank: int, device_name: str, spec: dict[str, Any], queues: list[Any], results: Any) -> None:
     import torch
 
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
     out: dict[str, Any] = {"rank": rank, "device": device_name, "stages": {}}
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -107,7 +107,7 @@ def _timed(torch: Any, device: Any, spec: dict[str, Any], move: Any) -> tuple[in
 
 def _pair_group_stage(torch: Any, rank: int, device: Any, spec: dict[str, Any], mail: _Mailbox) -> dict[str, Any]:
     """Rank 0 sends the blocks over a pair group, rank 1 receives and checks them."""
-    from workers.kv.transfer import KVTransferEngine, PairGroup, PairRendezvous
+    from baton_serve.workers.kv.transfer import KVTransferEngine, PairGroup, PairRendezvous
 
     out: dict[str, Any] = {}
     group = PairGroup(device)
@@ -141,8 +141,8 @@ def _pair_group_stage(torch: Any, rank: int, device: Any, spec: dict[str, Any], 
 
 def _shared_stage(torch: Any, rank: int, device: Any, spec: dict[str, Any], mail: _Mailbox) -> dict[str, Any]:
     """Rank 0 exports its cache; rank 1 maps it and copies the blocks into its own, then checks."""
-    from workers.kv.shared import KVExport, allocate_shared, map_export
-    from workers.kv.transfer import KVTransferEngine
+    from baton_serve.workers.kv.shared import KVExport, allocate_shared, map_export
+    from baton_serve.workers.kv.transfer import KVTransferEngine
 
     shape = (spec["blocks"], spec["block_size"], spec["heads"], spec["head_dim"])
     if rank == 0:

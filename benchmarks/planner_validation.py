@@ -24,7 +24,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (baton bench workload options, SLOs): each loads two or three CPU workers past what some
@@ -62,8 +62,8 @@ def live(name: str, args, out_dir: Path) -> list[Path]:
 
 
 def simulate(paths: list[Path], profile, hardware) -> list[dict]:
-    from cluster.config import load_config
-    from cluster.sim.against import compare, load_measured
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.sim.against import compare, load_measured
 
     rows = []
     for path in paths:
@@ -73,7 +73,7 @@ def simulate(paths: list[Path], profile, hardware) -> list[dict]:
 
 
 def markdown(result: dict, key: str = "workloads", title: str = "") -> str:
-    from cluster.sim.against import METRICS, best_layouts
+    from baton_serve.cluster.sim.against import METRICS, best_layouts
 
     head = "| workload | layout | " + " | ".join(f"{label} live / sim (error)" for _, label in METRICS) + " |"
     lines = [f"## Simulated vs measured{title}: {result['cpu']}, {result['model']}", "",
@@ -102,9 +102,10 @@ def markdown(result: dict, key: str = "workloads", title: str = "") -> str:
 
 
 def main() -> int:
+    from baton_serve.cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.sim.run import SimHardware
+
     from benchmarks.machine import cpu_name
-    from cluster.sim.profile import LatencyProfile
-    from cluster.sim.run import SimHardware
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)
@@ -134,9 +135,9 @@ def main() -> int:
     if args.calibrate_on:
         import dataclasses
 
-        from cluster.config import load_config
-        from cluster.sim.against import load_measured
-        from cluster.sim.calibrate import calibrate
+        from baton_serve.cluster.config import load_config
+        from baton_serve.cluster.sim.against import load_measured
+        from baton_serve.cluster.sim.calibrate import calibrate
 
         paths = [out_dir / f"live_{args.calibrate_on}_{w}w.json" for w, _ in RUNS]
         measured = [m for p in paths for m in load_measured(p)]

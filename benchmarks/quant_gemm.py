@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 # (N, K) and how many of each per forward
 SHAPES = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576), 30),
@@ -33,8 +33,8 @@ SHAPES = {"qkv": ((960, 576), 30), "o": ((576, 576), 30), "gate_up": ((3072, 576
 
 def forward_ms(rows: int, repeat: int) -> dict[str, float]:
     """ms per forward's worth of linear layers, per variant."""
-    from kernels import packed_linear
-    from kernels import quant_linear as ql
+    from baton_serve.kernels import packed_linear
+    from baton_serve.kernels import quant_linear as ql
 
     totals: dict[str, float] = {}
     for (n, k), count in SHAPES.values():
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kernels import cpu_ops
+    from baton_serve.kernels import cpu_ops
 
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
 
 PASSAGE = ROOT / "benchmarks" / "data" / "public_domain.txt"
 INT8_MAX_PPL_LOSS = 0.01  # relative
@@ -52,7 +52,7 @@ AGREEMENT_TOKENS = 32
 def perplexity(llm: Any, ids: list[int], window: int = 512) -> tuple[float, int]:
     """exp(mean next-token NLL) of ``ids`` read in non-overlapping windows (each a fresh context),
     computed by the engine's own model and kernels; returns (perplexity, tokens scored)."""
-    from workers.model.attention import AttentionMetadata
+    from baton_serve.workers.model.attention import AttentionMetadata
 
     runner = llm.engine.runner
     model, bs = runner.model, runner.block_size
@@ -81,7 +81,7 @@ def perplexity(llm: Any, ids: list[int], window: int = 512) -> tuple[float, int]
 
 
 def greedy_tokens(llm: Any) -> list[list[int]]:
-    from workers import SamplingParams
+    from baton_serve.workers import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
@@ -89,7 +89,7 @@ def greedy_tokens(llm: Any) -> list[list[int]]:
 
 
 def evaluate(model: str, dtype: str, threads: int) -> dict[str, Any]:
-    from workers import LLM
+    from baton_serve.workers import LLM
 
     torch.set_num_threads(threads)
     llm = LLM(model=model, dtype=dtype, num_kv_blocks=256)
@@ -111,8 +111,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from workers.checkpoint.default_model import resolve_model
-    from workers.checkpoint.quantize import quantize_folder
+    from baton_serve.workers.checkpoint.default_model import resolve_model
+    from baton_serve.workers.checkpoint.quantize import quantize_folder
 
     source = resolve_model(args.model)
     results = {"full": evaluate(str(source), args.dtype, args.threads)}

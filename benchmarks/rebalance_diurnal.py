@@ -24,7 +24,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 from benchmarks.rebalance_sim import sim_run, write_outputs  # noqa: E402
 
@@ -78,11 +78,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from cluster.bench.metrics import SLO
-    from cluster.bench.plan import Layout
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import WorkloadConfig
-    from cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.bench.metrics import SLO
+    from baton_serve.cluster.bench.plan import Layout
+    from baton_serve.cluster.bench.runner import BenchConfig
+    from baton_serve.cluster.bench.workload import WorkloadConfig
+    from baton_serve.cluster.sim.profile import LatencyProfile
 
     w = args.workers
     try:

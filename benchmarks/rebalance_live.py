@@ -20,7 +20,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 from benchmarks.machine import cpu_name  # noqa: E402
 from benchmarks.rebalance_sim import make_trace, parse_phases, per_window, write_outputs  # noqa: E402
@@ -35,13 +35,12 @@ def _rebalance(args: argparse.Namespace, on: bool) -> dict:
 def run_live(args: argparse.Namespace, trace: Path, n: int, on: bool) -> dict:
     """Serve 2P+2D (or ``--workers``), replay the trace through HTTP, read the controller's flips."""
     import ray
-
-    from cluster.bench.metrics import SLO
-    from cluster.bench.runner import BenchConfig, run_async
-    from cluster.bench.workload import WorkloadConfig
-    from cluster.config import ClusterConfig
-    from cluster.serve import Deployment
-    from router.server import ServerThread
+    from baton_serve.cluster.bench.metrics import SLO
+    from baton_serve.cluster.bench.runner import BenchConfig, run_async
+    from baton_serve.cluster.bench.workload import WorkloadConfig
+    from baton_serve.cluster.config import ClusterConfig
+    from baton_serve.cluster.serve import Deployment
+    from baton_serve.router.server import ServerThread
 
     w = args.workers
     config = ClusterConfig.model_validate({
@@ -74,13 +73,13 @@ def run_live(args: argparse.Namespace, trace: Path, n: int, on: bool) -> dict:
 
 
 def run_sim(args: argparse.Namespace, trace: Path, n: int, on: bool) -> dict:
-    from cluster.bench.metrics import SLO
-    from cluster.bench.plan import Layout
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import WorkloadConfig
-    from cluster.config import load_config
-    from cluster.sim.profile import LatencyProfile
-    from cluster.sim.run import SimHardware, simulate
+    from baton_serve.cluster.bench.metrics import SLO
+    from baton_serve.cluster.bench.plan import Layout
+    from baton_serve.cluster.bench.runner import BenchConfig
+    from baton_serve.cluster.bench.workload import WorkloadConfig
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.sim.run import SimHardware, simulate
 
     w = args.workers
     layout = Layout(w // 2, w - w // 2)
@@ -119,7 +118,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from cluster.bench.metrics import SLO
+    from baton_serve.cluster.bench.metrics import SLO
 
     try:
         shapes, rates = parse_phases(args.shapes, args.rates)

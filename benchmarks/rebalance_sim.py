@@ -21,7 +21,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 
 def make_trace(path: Path, shapes: list[tuple[int, int]], rates: list[float], phase_s: float, seed: int) -> int:
@@ -67,8 +67,8 @@ def sim_run(name: str, layout, rebalanced: bool, bench, profile, slo, ttft_s: fl
             rebalance_window_s: float, report_window_s: float, end_s: float, seed: int) -> dict:
     """One layout in ``baton plan sim``, the rebalancer on or off, as a results row: the summary,
     attainment per report window, the flips and how often each hold came."""
-    from cluster.config import load_config
-    from cluster.sim.run import SimHardware, simulate
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.sim.run import SimHardware, simulate
 
     cfg = load_config(None).with_overrides(**{
         "pools.prefill": layout.prefill, "pools.decode": layout.decode, "rebalance.enabled": rebalanced,
@@ -110,11 +110,11 @@ def main() -> int:
                     "replays it live)")
     args = ap.parse_args()
 
-    from cluster.bench.metrics import SLO
-    from cluster.bench.plan import Layout
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import WorkloadConfig
-    from cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.bench.metrics import SLO
+    from baton_serve.cluster.bench.plan import Layout
+    from baton_serve.cluster.bench.runner import BenchConfig
+    from baton_serve.cluster.bench.workload import WorkloadConfig
+    from baton_serve.cluster.sim.profile import LatencyProfile
 
     try:
         shapes, rates = parse_phases(args.shapes, args.rates)

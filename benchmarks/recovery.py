@@ -34,7 +34,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 from benchmarks.machine import cpu_name, pct  # noqa: E402
 
@@ -47,7 +47,7 @@ PROMPTS = [
 
 
 def _config(model: str | None, pools: dict[str, int]) -> Any:
-    from cluster.config import ClusterConfig
+    from baton_serve.cluster.config import ClusterConfig
 
     return ClusterConfig.model_validate({
         "engine": {"model": model, "dtype": "float32", "threads_per_worker": 1},
@@ -119,10 +119,10 @@ async def _injection(pool: Any, prompts: list[list[int]], want: list[list[int]],
 
 
 def scenario(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    from cluster.front import PoolClient
-    from cluster.launcher import Cluster
-    from router.routing import make_policy
-    from workers import LLM, SamplingParams
+    from baton_serve.cluster.front import PoolClient
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.router.routing import make_policy
+    from baton_serve.workers import LLM, SamplingParams
 
     pools, role = SCENARIOS[name]
     cluster = Cluster(_config(args.model, pools))
@@ -165,11 +165,11 @@ def scenario(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from cluster.front import PoolClient
-    from cluster.launcher import Cluster
-    from router.routing import make_policy
-    from workers import SamplingParams
-    from workers.text.tokenizer import Tokenizer
+    from baton_serve.cluster.front import PoolClient
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.router.routing import make_policy
+    from baton_serve.workers import SamplingParams
+    from baton_serve.workers.text.tokenizer import Tokenizer
 
     cluster = Cluster(_config(args.model, {"prefill": 1, "decode": 2}))
     cluster.start()

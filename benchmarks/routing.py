@@ -34,7 +34,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "cost")
 LAYOUTS = {"2P+2D": {"prefill": 2, "decode": 2}, "4 colocated": {"colocated": 4}}
@@ -102,12 +102,12 @@ def policy_config(spec: str) -> dict[str, Any]:
 def run_one(args: argparse.Namespace, layout: str, policy: str, workload: str, seed: int,
             decision_log: str | None = None, request_rate: float | None = None,
             max_concurrency: int | None = None) -> dict[str, Any]:
-    from cluster.bench.metrics import SLO
-    from cluster.bench.runner import BenchConfig, run_async
-    from cluster.bench.workload import LengthDist, WorkloadConfig
-    from cluster.config import ClusterConfig
-    from cluster.serve import Deployment
-    from router.server import ServerThread
+    from baton_serve.cluster.bench.metrics import SLO
+    from baton_serve.cluster.bench.runner import BenchConfig, run_async
+    from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
+    from baton_serve.cluster.config import ClusterConfig
+    from baton_serve.cluster.serve import Deployment
+    from baton_serve.router.server import ServerThread
 
     config = ClusterConfig.model_validate({
         "engine": {"dtype": args.dtype, "threads_per_worker": args.threads_per_worker,

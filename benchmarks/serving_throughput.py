@@ -23,7 +23,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 from benchmarks.engine_throughput import make_workload  # noqa: E402
 
@@ -49,9 +49,9 @@ async def _fire(url: str, model: str, work: list[tuple[list[int], int]]) -> dict
 
 
 def run_served(mode: str, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict:
-    from cluster.config import ClusterConfig
-    from cluster.serve import Deployment
-    from router.server import ServerThread
+    from baton_serve.cluster.config import ClusterConfig
+    from baton_serve.cluster.serve import Deployment
+    from baton_serve.router.server import ServerThread
 
     # Same cores either way: one colocated worker uses all the offline engine's threads; the
     # disaggregated pools split them across 1 prefill + (workers - 1) decode workers.
@@ -79,8 +79,7 @@ def run_served(mode: str, args: argparse.Namespace, work: list[tuple[list[int], 
 
 def run_offline(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict:
     import torch
-
-    from workers import LLM, SamplingParams
+    from baton_serve.workers import LLM, SamplingParams
 
     torch.set_num_threads(args.offline_threads)
     llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,

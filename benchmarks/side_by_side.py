@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
 
 SYSTEMS = ("baton-colocated", "baton-disagg", "baton-int8", "baton-int4", "hf", "vllm", "llamacpp")
 BATONS = ("baton-colocated", "baton-disagg", "baton-int8", "baton-int4")
@@ -202,7 +202,7 @@ def peer_dtype(args: argparse.Namespace) -> str:
     """The peers' dtype: ``auto`` is what Baton's own ``auto`` picks on this CPU."""
     if args.peer_dtype != "auto":
         return args.peer_dtype
-    from kernels.auto_dtype import resolve_dtype
+    from baton_serve.kernels.auto_dtype import resolve_dtype
 
     return resolve_dtype("auto").dtype
 
@@ -224,7 +224,7 @@ def build_specs(args: argparse.Namespace, model: str, port: int, name: str) -> S
     if name == "baton-colocated":
         return SystemSpec(name, baton + ["--colocated", "1"])
     if name in ("baton-int8", "baton-int4"):
-        from workers.checkpoint.quantize import quantize_folder
+        from baton_serve.workers.checkpoint.quantize import quantize_folder
 
         method = name.removeprefix("baton-")
         folder = quantize_folder(model, None, method, args.quant_group_size)
@@ -240,7 +240,7 @@ def build_specs(args: argparse.Namespace, model: str, port: int, name: str) -> S
         if venv is None or not (venv / "bin" / "python").exists():
             return SystemSpec(name, [], missing="not installed" + (f" at {venv}" if venv else
                                                                     " (pass --llamacpp-venv)"))
-        from workers.checkpoint.default_model import locate_default_gguf
+        from baton_serve.workers.checkpoint.default_model import locate_default_gguf
 
         gguf = args.llamacpp_gguf or str(locate_default_gguf())
         # the served name is the HF folder's, so the load generator's requests name a model it has
@@ -368,7 +368,7 @@ def descendants(pid: int) -> list[int]:
 
 def run_workload(cfg: Any, timeout_s: float) -> WorkloadResult:
     """One ``cluster.bench`` run bounded by ``timeout_s``; failures are recorded, not raised."""
-    from cluster.bench.runner import run_async
+    from baton_serve.cluster.bench.runner import run_async
 
     try:
         res = asyncio.run(asyncio.wait_for(run_async(cfg), timeout_s))
@@ -380,8 +380,8 @@ def run_workload(cfg: Any, timeout_s: float) -> WorkloadResult:
 
 def bench_configs(args: argparse.Namespace, base_url: str, model: str, token_ids: bool = True) -> dict[str, Any]:
     """The two workloads, identical for every system (same seed, same tokenizer, same prompts)."""
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import LengthDist, WorkloadConfig
+    from baton_serve.cluster.bench.runner import BenchConfig
+    from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
 
     wl = WorkloadConfig(name="random", input_len=LengthDist(args.random_input_len, range_ratio=args.range_ratio),
                         output_len=LengthDist(args.random_output_len, range_ratio=args.range_ratio))
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model
     if model is None:
-        from workers.checkpoint.default_model import default_model_path
+        from baton_serve.workers.checkpoint.default_model import default_model_path
 
         model = str(default_model_path())
     out = Path(args.out)

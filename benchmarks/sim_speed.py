@@ -22,7 +22,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 
 def _ints(text: str) -> list[int]:
@@ -30,8 +30,8 @@ def _ints(text: str) -> list[int]:
 
 
 def _bench(n: int, rate: float, input_len: int, output_len: int, seed: int):
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import LengthDist, WorkloadConfig
+    from baton_serve.cluster.bench.runner import BenchConfig
+    from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
 
     wl = WorkloadConfig("random", input_len=LengthDist(input_len, range_ratio=0.5),
                         output_len=LengthDist(output_len, range_ratio=0.5))
@@ -39,15 +39,15 @@ def _bench(n: int, rate: float, input_len: int, output_len: int, seed: int):
 
 
 def _layout(workers: int, colocated: bool):
-    from cluster.bench.plan import Layout
+    from baton_serve.cluster.bench.plan import Layout
 
     return Layout(colocated=workers) if colocated else Layout(prefill=workers // 2, decode=workers - workers // 2)
 
 
 def growth(args, profile, hardware) -> list[dict]:
     """One layout per (requests, workers): its wall time, events and engine steps."""
-    from cluster.config import load_config
-    from cluster.sim.run import simulate
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.sim.run import simulate
 
     rows = []
     for workers in _ints(args.workers):
@@ -70,8 +70,8 @@ def growth(args, profile, hardware) -> list[dict]:
 
 def sweep(args, profile, hardware) -> dict:
     """``--layouts`` prefill:decode splits and colocated of ``--sweep-workers`` workers, ``--sweep-requests`` each."""
-    from cluster.config import load_config
-    from cluster.sim.plan import run_sim_plan, search_space
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.sim.plan import run_sim_plan, search_space
 
     w = args.sweep_workers
     ratios = [(p, w - p) for p in range(1, w)]
@@ -91,9 +91,10 @@ def sweep(args, profile, hardware) -> dict:
 
 
 def main() -> int:
+    from baton_serve.cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.sim.run import SimHardware
+
     from benchmarks.machine import cpu_name
-    from cluster.sim.profile import LatencyProfile
-    from cluster.sim.run import SimHardware
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 
 def _timed(name: str, fn: Callable[..., Any], acc: collections.Counter, calls: collections.Counter
@@ -50,8 +50,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from kernels import backend, packed_linear
-    from workers import LLM, SamplingParams
+    from baton_serve.kernels import backend, packed_linear
+    from baton_serve.workers import LLM, SamplingParams
 
     acc: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()

@@ -22,7 +22,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: see tests/conftest.py
 
 FIXED = {"type": "string", "minLength": 8, "maxLength": 8}
 SCHEMA = {
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from workers import LLM, SamplingParams
-    from workers.sampling.structured import StructuredSpec
+    from baton_serve.workers import LLM, SamplingParams
+    from baton_serve.workers.sampling.structured import StructuredSpec
 
     llm = LLM(dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=max(args.batch, 32))
     engine = llm.engine
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     # The mask work itself, timed inside the steps: filling the bitmasks (the matchers) and
     # applying them to the logits (the sampler). Unlike a step-time difference it does not drown
     # in the noise of a shared machine.
-    import workers.sampling.sampler as sampler_mod
+    import baton_serve.workers.sampling.sampler as sampler_mod
 
     fill = _Timed(engine.structured.fill)
     apply = _Timed(sampler_mod.apply_bitmask_)

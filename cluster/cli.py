@@ -12,13 +12,13 @@ from pathlib import Path
 def _cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from workers.checkpoint.default_model import default_model_path, resolve_model
-    from workers.checkpoint.gguf_convert import convert_gguf
-    from workers.errors import ModelLoadError
+    from baton_serve.workers.checkpoint.default_model import default_model_path, resolve_model
+    from baton_serve.workers.checkpoint.gguf_convert import convert_gguf
+    from baton_serve.workers.errors import ModelLoadError
 
     try:
         if args.quantize is not None:
-            from workers.checkpoint.quantize import quantize_folder
+            from baton_serve.workers.checkpoint.quantize import quantize_folder
 
             src = resolve_model(args.gguf, progress=True)
             path = quantize_folder(src, args.out, args.quantize, args.group_size, args.lm_head)
@@ -36,7 +36,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from cluster.status_view import fetch_status, format_status
+    from baton_serve.cluster.status_view import fetch_status, format_status
 
     try:
         status = fetch_status(args.url, args.api_key)
@@ -75,7 +75,7 @@ def _gib_arg(value: str) -> float:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from workers import LLM, SamplingParams
+    from baton_serve.workers import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -97,8 +97,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.config import load_config
-    from cluster.serve import serve
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.serve import serve
 
     config = load_config(args.config).with_overrides(**{
         "engine.model": args.model, "engine.dtype": args.dtype, "engine.device": args.device,
@@ -118,7 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys_hash(args: argparse.Namespace) -> int:
-    from cluster.admission.tenants import hash_key, key_id
+    from baton_serve.cluster.admission.tenants import hash_key, key_id
 
     key = args.key if args.key != "-" else sys.stdin.readline().strip()
     digest = hash_key(key)
@@ -127,7 +127,7 @@ def _cmd_keys_hash(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.bench.cli_args import run_from_args
+    from baton_serve.cluster.bench.cli_args import run_from_args
 
     return run_from_args(args)
 
@@ -139,11 +139,18 @@ def _plan_result_path(args: argparse.Namespace) -> Path | None:
 
 
 def _cmd_plan_live(args: argparse.Namespace) -> int:
-    from cluster.bench.cli_args import bench_config
-    from cluster.bench.plan import parse_ratios, plan_json, plan_layouts, plan_markdown, plot_plan, run_plan
-    from cluster.bench.report import write_plan_outputs
-    from cluster.bench.workload import WorkloadError
-    from cluster.config import load_config
+    from baton_serve.cluster.bench.cli_args import bench_config
+    from baton_serve.cluster.bench.plan import (
+        parse_ratios,
+        plan_json,
+        plan_layouts,
+        plan_markdown,
+        plot_plan,
+        run_plan,
+    )
+    from baton_serve.cluster.bench.report import write_plan_outputs
+    from baton_serve.cluster.bench.workload import WorkloadError
+    from baton_serve.cluster.config import load_config
 
     try:  # ConfigError and WorkloadError are ValueErrors: every bad option ends here, before Ray starts
         if args.address and args.address.startswith("ray://"):
@@ -175,7 +182,7 @@ def _cmd_plan_live(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from cluster.bench.cli_args import add_workload_arguments
+    from baton_serve.cluster.bench.cli_args import add_workload_arguments
 
     plan = sub.add_parser("plan", help="find the prefill:decode split for a number of workers")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
@@ -208,14 +215,17 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="JSON file name or path (default plan_live_<workers>w.json); .md and .png beside it")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     live.set_defaults(func=_cmd_plan_live)
-    from cluster.sim.cli import add_profile_parser, add_sim_parser
+    from baton_serve.cluster.sim.cli import add_profile_parser, add_sim_parser
 
     add_sim_parser(plan_sub)
     add_profile_parser(plan_sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from baton_serve import __version__
+
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray")
+    parser.add_argument("--version", action="version", version=f"baton {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API from prefill/decode pools on Ray")
@@ -229,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=None, help="decode workers")
     srv.add_argument("--colocated", type=int, default=None,
                      help="N colocated workers (prefill and decode in one) instead of the pools")
-    srv.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model's name(s) in the API; requests may use any, responses carry the first "
+                     "(default: the model's own name)")
     srv.add_argument("--threads-per-worker", type=_threads_arg, default=None,
                      help="threads per worker, or auto (default): fill the cores each worker is given")
     srv.add_argument("--kv-cache-memory-gib", type=_gib_arg, default=None, metavar="GIB",
@@ -285,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=_cmd_generate)
 
-    from cluster.bench.cli_args import add_arguments as add_bench_arguments
+    from baton_serve.cluster.bench.cli_args import add_arguments as add_bench_arguments
 
     bench = sub.add_parser(
         "bench", help="load-test an OpenAI-compatible server: latency, throughput, goodput",
@@ -297,22 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_kernels_is_ours() -> None:
-    """Refuse to start when another distribution's ``kernels`` (Hugging Face's, which transformers
-    >= 5.25 requires) is what ``import kernels`` finds: the workers would fail later, far from here."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("kernels")
-    ours = Path(__file__).resolve().parent.parent / "kernels"
-    found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
-    if found != ours:
-        raise SystemExit(f"baton: error: 'import kernels' finds {found or 'a namespace package'}, not Baton's "
-                         f"{ours}; another distribution uses the name (Hugging Face's 'kernels', pulled in by "
-                         "transformers >= 5.25): pip uninstall kernels, or install transformers < 5.25")
-
-
 def main(argv: list[str] | None = None) -> int:
-    _check_kernels_is_ours()
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -320,11 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the CLI prints a clean one-line error for our typed errors
+        from baton_serve.cluster.config import ConfigError
+        from baton_serve.kernels.device import DeviceUnavailableError
+        from baton_serve.workers.errors import BatonError
         from pydantic import ValidationError
-
-        from cluster.config import ConfigError
-        from kernels.device import DeviceUnavailableError
-        from workers.errors import BatonError
 
         if isinstance(exc, (BatonError, ConfigError, DeviceUnavailableError, ValidationError)):
             print(f"baton: error: {exc}", file=sys.stderr)

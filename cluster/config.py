@@ -42,7 +42,7 @@ class EngineSection(BaseModel):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        from kernels.device import check_device_name
+        from baton_serve.kernels.device import check_device_name
 
         check_device_name(value)  # ValueError naming the allowed spellings
         return value
@@ -108,7 +108,7 @@ class KVTransferSection(BaseModel):
     @field_validator("transport")
     @classmethod
     def _known(cls, value: str) -> str:
-        from workers.kv.connector import connector_order
+        from baton_serve.workers.kv.connector import connector_order
 
         connector_order(value)  # ValueError listing the known connectors
         return value
@@ -119,7 +119,9 @@ class ServerSection(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_queued_requests: int = Field(512, ge=1, description="reject with 429 beyond this many waiting")
-    model_name: str | None = None
+    model_name: str | list[str] | None = Field(None, description="the served model name, or several "
+                                               "(vLLM's --served-model-name): requests may use any, responses "
+                                               "and metrics carry the first; default the model's own name")
     num_frontends: int = Field(1, ge=1, description="HTTP front replicas (Ray actors) sharing the port")
     api_key: str | None = Field(None, description="one key, one tenant (vLLM's --api-key); also BATON_API_KEY")
     tenants: str | None = Field(None, description="a tenants file (TOML): keys, rates, budgets, classes")
@@ -132,6 +134,24 @@ class ServerSection(BaseModel):
                                      "response is kept for retries")
     idempotency_grace_s: float = Field(5.0, ge=0, description="an idempotent run nobody listens to is "
                                        "aborted after this long")
+
+    @field_validator("model_name")
+    @classmethod
+    def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
+        if value is not None and (not names or any(not n.strip() for n in names)):
+            raise ValueError("served model names must be non-empty strings")
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names repeat: {names}")
+        return value
+
+    def served_model_names(self, model_path: Path) -> list[str]:
+        """The names the API answers to, the first being the one responses and metrics carry."""
+        from baton_serve.workers.checkpoint.default_model import served_name
+
+        if self.model_name is None:
+            return [served_name(model_path)]
+        return [self.model_name] if isinstance(self.model_name, str) else list(self.model_name)
 
 
 class AdmissionSection(BaseModel):
@@ -147,7 +167,7 @@ class AdmissionSection(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known(cls, value: str) -> str:
-        from cluster.admission.kv import admission_policies
+        from baton_serve.cluster.admission.kv import admission_policies
 
         return _one_of(value, admission_policies(), "admission policy")
 
@@ -163,7 +183,7 @@ class UsageSection(BaseModel):
     @field_validator("store")
     @classmethod
     def _known(cls, value: str) -> str:
-        from cluster.usage import usage_store_names
+        from baton_serve.cluster.usage import usage_store_names
 
         return _one_of(value, usage_store_names(), "usage store")
 
@@ -200,14 +220,14 @@ class RouterSection(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known(cls, value: str) -> str:
-        from router.routing import policy_names
+        from baton_serve.router.routing import policy_names
 
         return _one_of(value, policy_names(), "routing policy")
 
     def make_policy(self, seed: int | None = None) -> Any:
         """The configured policy object (its options from this section where it takes them);
         ``seed`` fixes its random tie-breaks."""
-        from router.routing import make_policy
+        from baton_serve.router.routing import make_policy
 
         if self.policy == "cost":
             return make_policy("cost", seed, stall_weight=self.stall_weight, work_weight=self.work_weight,
@@ -234,7 +254,7 @@ class RecoverySection(BaseModel):
     restart_max_backoff_s: float = Field(30.0, ge=0)
 
     def restart_policy(self) -> Any:
-        from cluster.restarts import RestartPolicy
+        from baton_serve.cluster.restarts import RestartPolicy
 
         return RestartPolicy(self.restart_workers, self.max_restarts, self.restart_window_s,
                              self.restart_backoff_s, self.restart_max_backoff_s)
@@ -286,7 +306,7 @@ class RebalanceSection(BaseModel):
         return self
 
     def policy(self) -> Any:
-        from cluster.rebalance.decide import RebalancePolicy
+        from baton_serve.cluster.rebalance.decide import RebalancePolicy
 
         return RebalancePolicy(window_s=self.window_s, cooldown_s=self.cooldown_s, min_dwell_s=self.min_dwell_s,
                                max_actions_per_window=self.max_actions_per_window, min_requests=self.min_requests,
@@ -295,7 +315,7 @@ class RebalanceSection(BaseModel):
                                max_workers={"prefill": self.max_prefill, "decode": self.max_decode})
 
     def targets(self) -> Any:
-        from cluster.rebalance.signals import Targets
+        from baton_serve.cluster.rebalance.signals import Targets
 
         return Targets(ttft_s=self.ttft_target_s, tpot_s=self.tpot_target_s, attainment=self.attainment,
                        utilization=self.utilization, kv_high=self.kv_high)

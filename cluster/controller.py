@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cluster.restarts import RestartHistory, RestartPolicy, WorkerSpec
+from baton_serve.cluster.restarts import RestartHistory, RestartPolicy, WorkerSpec
 
 log = logging.getLogger("baton.controller")
 
@@ -62,8 +62,8 @@ class GlobalController:
         self.flips: list[dict[str, Any]] = []  # the role flips carried out (or given up), oldest first
         self._rebalance = None  # cluster.rebalance.live.LiveRebalance, with [rebalance] enabled
         if rebalance and rebalance.get("enabled"):
-            from cluster.config import RebalanceSection
-            from cluster.rebalance.live import LiveRebalance
+            from baton_serve.cluster.config import RebalanceSection
+            from baton_serve.cluster.rebalance.live import LiveRebalance
 
             self._rebalance = LiveRebalance(RebalanceSection.model_validate(rebalance))
         self.interval_s, self.timeout_s, self.failure_threshold = interval_s, timeout_s, failure_threshold

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.admission.front import FrontAdmission, drain
-from cluster.config import RouterSection
-from cluster.front import PoolClient, WorkerRef
-from cluster.metered_client import MeteredClient
-from cluster.metrics import Metrics
-from workers.engine.validation import RequestLimits
+from baton_serve.cluster.admission.front import FrontAdmission, drain
+from baton_serve.cluster.config import RouterSection
+from baton_serve.cluster.front import PoolClient, WorkerRef
+from baton_serve.cluster.metered_client import MeteredClient
+from baton_serve.cluster.metrics import Metrics
+from baton_serve.workers.engine.validation import RequestLimits
 
 log = logging.getLogger("baton.http")
 
@@ -31,21 +32,23 @@ class Front:
     loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once it runs
 
 
-def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, model_path: str, model_name: str,
+def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, model_path: str, model_name: str | Sequence[str],
                 controller: Any = None, sole_front: bool = True, num_fronts: int = 1,
                 run_owners: Any = None) -> Front:
     """Pool client, metrics, admission and the OpenAI app of one front, from a ``ClusterConfig``.
 
     ``run_owners`` (``cluster.admission.idempotency_owners.RayRunOwners``) shares idempotent runs
     with the other fronts on the port."""
-    from router.api import build_app
-    from router.gateway import Gateway
-    from router.idempotency import IdempotencyStore
-    from workers.text.tokenizer import Tokenizer
+    from baton_serve.router.api import build_app
+    from baton_serve.router.gateway import Gateway
+    from baton_serve.router.idempotency import IdempotencyStore
+    from baton_serve.router.serving import served_names
+    from baton_serve.workers.text.tokenizer import Tokenizer
 
-    metrics = Metrics(model_name)
+    primary = served_names(model_name)[0]
+    metrics = Metrics(primary)
     block_size = int(workers[0].info.get("block_size", 16)) if workers else 16
-    admission = FrontAdmission.build(config, workers, block_size, model_name, num_fronts, metrics)
+    admission = FrontAdmission.build(config, workers, block_size, primary, num_fronts, metrics)
     router = config.router
     pool = PoolClient(workers, limits, max_queued=config.server.max_queued_requests,
                       on_stats=metrics.on_worker_stats, controller=controller, metrics=metrics,
@@ -76,13 +79,13 @@ class HTTPFront:
     """Builds a pool client, metrics, admission and the OpenAI app, and serves it on ``host:port``."""
 
     def __init__(self, workers: list[dict[str, Any]], limits: dict[str, int], model_path: str,
-                 model_name: str, host: str, port: int, max_queued: int, controller: Any = None,
+                 model_name: str | Sequence[str], host: str, port: int, max_queued: int, controller: Any = None,
                  reuse_port: bool = False, routing: dict[str, Any] | None = None,
                  config: dict[str, Any] | None = None, num_fronts: int = 1, front_index: int = 0,
                  owners_directory: Any = None) -> None:
-        from cluster.admission.idempotency_owners import RayRunOwners
-        from cluster.config import ClusterConfig
-        from router.server import ServerThread
+        from baton_serve.cluster.admission.idempotency_owners import RayRunOwners
+        from baton_serve.cluster.config import ClusterConfig
+        from baton_serve.router.server import ServerThread
 
         refs = [WorkerRef(w["worker_id"], w["role"], w["handle"], w["info"]) for w in workers]
         cfg = ClusterConfig.model_validate(config or {})
@@ -140,7 +143,7 @@ class HTTPFront:
         self.front.admission.close()
 
 
-def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str, max_queued: int,
+def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str | Sequence[str], max_queued: int,
                  routing: dict[str, Any] | None = None) -> list[Any]:
     """Start ``count`` HTTPFront actors on ``host:port`` and wait until each accepts connections."""
     import ray
@@ -159,7 +162,7 @@ def start_fronts(cluster: Any, count: int, host: str, port: int, model_name: str
     config = cluster.config.model_dump()
     owners = None
     if count > 1:
-        from cluster.admission.idempotency_owners import IdempotencyOwners
+        from baton_serve.cluster.admission.idempotency_owners import IdempotencyOwners
 
         owners = ray.remote(IdempotencyOwners).options(num_cpus=0, scheduling_strategy=here).remote(
             cluster.config.server.idempotency_ttl_s)

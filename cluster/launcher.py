@@ -12,12 +12,12 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ClusterConfig
-from cluster.front.workers import WorkerRef
-from cluster.restarts import WorkerSpec
-from kernels import capabilities
-from workers.actor.core_share import create_board, remove_board
-from workers.engine.validation import RequestLimits
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front.workers import WorkerRef
+from baton_serve.cluster.restarts import WorkerSpec
+from baton_serve.kernels import capabilities
+from baton_serve.workers.actor.core_share import create_board, remove_board
+from baton_serve.workers.engine.validation import RequestLimits
 
 log = logging.getLogger("baton.launcher")
 
@@ -216,8 +216,7 @@ class Cluster:
 
     def start(self) -> None:
         import ray
-
-        from workers.actor.worker import Worker
+        from baton_serve.workers.actor.worker import Worker
 
         engine_kwargs = worker_engine_kwargs(self.config)
         threads = worker_threads(self.config)
@@ -278,9 +277,8 @@ class Cluster:
         check_same_device_kind(self.workers)
         peers = {w.worker_id: w.handle for w in self.workers}
         ray.get([w.handle.set_peers.remote(peers) for w in self.workers])
+        from baton_serve.cluster.controller import GlobalController
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from cluster.controller import GlobalController
 
         # With the fronts, on the node that started the deployment (the head, as a rule): placed on
         # a worker's node, losing that node would also lose the view of every other worker.

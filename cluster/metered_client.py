@@ -10,9 +10,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.metrics import Metrics
-from workers.engine.outputs import TokenDelta
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.metrics import Metrics
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 class MeteredClient:

@@ -9,11 +9,11 @@ import threading
 import time
 from typing import Any
 
-from cluster.config import ClusterConfig
-from cluster.front import PoolClient
-from cluster.http_actor import Front, build_front
-from cluster.launcher import Cluster
-from cluster.metrics import Metrics
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.http_actor import Front, build_front
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.cluster.metrics import Metrics
 
 log = logging.getLogger("baton.serve")
 
@@ -32,7 +32,7 @@ class Deployment:
 
     def start(self) -> Deployment:
         self.cluster.start()
-        model_name = self.config.server.model_name or self.cluster.model_path.name
+        model_name = self.config.server.served_model_names(self.cluster.model_path)
         self.front = build_front(self.config, self.cluster.workers, self.cluster.limits,
                                  str(self.cluster.model_path), model_name, self.cluster.controller)
         self.app, self.pool, self.metrics = self.front.app, self.front.pool, self.front.metrics
@@ -50,8 +50,8 @@ def serve(config: ClusterConfig) -> int:
     The HTTP fronts are Ray actors (``server.num_frontends`` of them share the port); this
     process only starts things, waits for a signal, and tears down.
     """
-    from cluster.admission.front import tenant_directory
-    from cluster.http_actor import drain_fronts, start_fronts, stop_fronts
+    from baton_serve.cluster.admission.front import tenant_directory
+    from baton_serve.cluster.http_actor import drain_fronts, start_fronts, stop_fronts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
@@ -69,12 +69,13 @@ def serve(config: ClusterConfig) -> int:
         cluster.start()
         on_signal()  # ray.init installs its own SIGTERM handler (which aborts the process): ours again
         host, port = config.server.host, config.server.port
-        model_name = config.server.model_name or cluster.model_path.name
+        model_name = config.server.served_model_names(cluster.model_path)
         fronts = start_fronts(cluster, config.server.num_frontends, host, port, model_name,
                               config.server.max_queued_requests, routing=config.router.model_dump())
         mode = (f"{config.pools.colocated} colocated" if config.colocated
                 else f"{config.pools.prefill} prefill + {config.pools.decode} decode")
-        print(f"Baton serving {model_name} ({mode} workers, {len(fronts)} HTTP front"
+        aliases = f" (also as {', '.join(model_name[1:])})" if len(model_name) > 1 else ""
+        print(f"Baton serving {model_name[0]}{aliases} ({mode} workers, {len(fronts)} HTTP front"
               f"{'s' if len(fronts) > 1 else ''}) at http://{reachable_host(host)}:{port}/v1", flush=True)
         auth = ("open: no API key" if tenants.open else
                 f"{len(tenants.tenants)} tenant{'s' if len(tenants.tenants) > 1 else ''}, API keys required")
@@ -97,7 +98,7 @@ def reachable_host(host: str) -> str:
     """What a client puts in the URL for a front bound to ``host``: a wildcard bind is reached
     at this node's address."""
     if host in ("0.0.0.0", "::", ""):
-        from workers.node import node_address
+        from baton_serve.workers.node import node_address
 
         return node_address()
     return host

@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from kernels import capabilities
+from baton_serve.kernels import capabilities
 
 log = logging.getLogger("baton.kernels")
 DTYPES = ("float32", "bfloat16", "float16")

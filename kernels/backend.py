@@ -12,8 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from kernels import cpu_ops, reference
+from baton_serve.kernels import cpu_ops, reference
 
 _OPS = (
     "write_kv_cache",
@@ -41,7 +40,7 @@ def forced() -> str | None:
 
 def _triton_ops() -> Any | None:
     try:
-        from kernels import triton_ops
+        from baton_serve.kernels import triton_ops
     except ImportError:
         return None
     return triton_ops
@@ -56,6 +55,10 @@ def select(op: str, device: torch.device) -> Callable[..., Any]:
         if ops is not None and hasattr(ops, op):
             return getattr(ops, op)
         if forced_now == "triton":
+            if ops is None:
+                from baton_serve.extras import require
+
+                require("triton", "BATON_KERNEL_BACKEND=triton")  # raises, naming the extra, if Triton is missing
             raise RuntimeError(f"BATON_KERNEL_BACKEND=triton but no Triton kernel for {op!r} is available")
     elif forced_now != "torch" and device.type == "cpu" and hasattr(cpu_ops, op):
         return getattr(cpu_ops, op)  # falls back to the reference by itself when it cannot run

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kernels import capabilities
+from baton_serve.kernels import capabilities
 
 # No -ffast-math: linking it into a shared object sets flush-to-zero for the whole process.
 FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",

@@ -20,9 +20,8 @@ import threading
 from pathlib import Path
 
 import torch
-
-from kernels import capabilities, cpu_build, reference
-from kernels.cpu_build import KernelBuildError, UnsupportedTarget, isa
+from baton_serve.kernels import capabilities, cpu_build, reference
+from baton_serve.kernels.cpu_build import KernelBuildError, UnsupportedTarget, isa
 
 __all__ = ["KernelBuildError", "UnsupportedTarget", "available", "build_library", "isa", "library"]
 

@@ -9,8 +9,7 @@ recompute exactly. On CPU, bf16 runs natively in one pass per row (``kernels.cpu
 from __future__ import annotations
 
 import torch
-
-from kernels import backend, cpu_ops
+from baton_serve.kernels import backend, cpu_ops
 
 
 def upcast_with_candidates_torch(logits: torch.Tensor, margin_ulps: float = 2.0

@@ -22,8 +22,7 @@ import platform
 
 import torch
 import torch.nn.functional as F
-
-from kernels import backend
+from baton_serve.kernels import backend
 
 # oneDNN's layout choice depends a little on the row count it is told to expect. bf16: 1 (decode
 # rows are few; larger hints measured the same). fp32: 64, which on the Zen 3 was no slower than 1

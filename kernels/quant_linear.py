@@ -53,8 +53,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels import cpu_ops
+from baton_serve.kernels import cpu_ops
 
 __all__ = [
     "GROUP_SIZES", "dequantize_int4", "dequantize_int8", "linear_int4", "linear_int4_reference", "linear_int8",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_common import check_device, last_dim_contiguous, next_pow2
+from baton_serve.kernels.triton_common import check_device, last_dim_contiguous, next_pow2
 
 # Elements per program for whole-block copies: 4 KiB-16 KiB per program is enough to hide latency.
 _COPY_BLOCK = 2048

@@ -14,8 +14,13 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_common import check_device, dot_dtype, dot_precision, last_dim_contiguous, next_pow2
+from baton_serve.kernels.triton_common import (
+    check_device,
+    dot_dtype,
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+)
 
 _LOG2E = 1.4426950408889634
 # Keys per inner iteration. 64 keeps two bf16 [64, 128] K/V tiles in flight per program.

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 # Not kernels, re-exported so both modules expose the same names: a one-off host-side table, and
 # the row argmax, where torch's CUDA reduction is already a single fused pass.
-from kernels.reference import argmax_rows, build_cos_sin_cache
-from kernels.triton_cache import copy_blocks, gather_kv_blocks, scatter_kv_blocks, write_kv_cache
-from kernels.triton_decode import paged_decode_attention
-from kernels.triton_norm import fused_add_rms_norm, rms_norm, silu_and_mul
-from kernels.triton_prefill import paged_prefill_attention
-from kernels.triton_rotary import rotary_embedding
+from baton_serve.kernels.reference import argmax_rows, build_cos_sin_cache
+from baton_serve.kernels.triton_cache import copy_blocks, gather_kv_blocks, scatter_kv_blocks, write_kv_cache
+from baton_serve.kernels.triton_decode import paged_decode_attention
+from baton_serve.kernels.triton_norm import fused_add_rms_norm, rms_norm, silu_and_mul
+from baton_serve.kernels.triton_prefill import paged_prefill_attention
+from baton_serve.kernels.triton_rotary import rotary_embedding
 
 __all__ = [
     "argmax_rows",

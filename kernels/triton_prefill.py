@@ -12,8 +12,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_common import check_device, dot_dtype, dot_precision, last_dim_contiguous, next_pow2
+from baton_serve.kernels.triton_common import (
+    check_device,
+    dot_dtype,
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+)
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_common import check_device, last_dim_contiguous, next_pow2
+from baton_serve.kernels.triton_common import check_device, last_dim_contiguous, next_pow2
 
 
 @triton.jit

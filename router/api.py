@@ -11,19 +11,18 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from baton_serve.router.engine_client import EngineClient
+from baton_serve.router.errors import APIError, install_error_handlers
+from baton_serve.router.gateway import GateMiddleware, Gateway
+from baton_serve.router.openapi import json_body
+from baton_serve.router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from baton_serve.router.serving import OpenAIServing
+from baton_serve.workers.text.tokenizer import Tokenizer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from router.engine_client import EngineClient
-from router.errors import APIError, install_error_handlers
-from router.gateway import GateMiddleware, Gateway
-from router.openapi import json_body
-from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from router.serving import OpenAIServing
-from workers.text.tokenizer import Tokenizer
 
-
-def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str | Sequence[str], max_model_len: int,
               ready: Callable[[], bool] | None = None, metrics_registry: Any = None,
               queue_size: int = 64, on_startup: Sequence[Callable[[], Any]] = (),
               on_shutdown: Sequence[Callable[[], Any]] = (), gateway: Gateway | None = None,

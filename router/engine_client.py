@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from workers.engine.outputs import TokenDelta
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 class Ticket(Protocol):

@@ -11,14 +11,13 @@ import logging
 import math
 from typing import Any
 
+from baton_serve.router.protocol import ErrorInfo, ErrorResponse
+from baton_serve.workers.errors import InvalidRequestError, OutOfBlocksError, OverloadedError, WorkerLostError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from router.protocol import ErrorInfo, ErrorResponse
-from workers.errors import InvalidRequestError, OutOfBlocksError, OverloadedError, WorkerLostError
 
 logger = logging.getLogger(__name__)
 

@@ -19,13 +19,17 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from baton_serve.router.errors import APIError, to_api_error, validation_error
+from baton_serve.router.idempotency import (
+    IdempotencyConflict,
+    IdempotencyStore,
+    IdempotencyStoreFull,
+    RecordedResponse,
+)
+from baton_serve.router.server import SSE_HEADERS, ClientGone, EventStreamResponse, run_until_disconnected
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-
-from router.errors import APIError, to_api_error, validation_error
-from router.idempotency import IdempotencyConflict, IdempotencyStore, IdempotencyStoreFull, RecordedResponse
-from router.server import SSE_HEADERS, ClientGone, EventStreamResponse, run_until_disconnected
 
 Body = TypeVar("Body", bound=BaseModel)
 Serve = Callable[[Any, Any, Any], Awaitable[Response]]

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from baton_serve.router.protocol import ErrorResponse
 from fastapi import FastAPI
 from pydantic import BaseModel
-
-from router.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.kv.event_log import CLEARED, REMOVED, STORED
+from baton_serve.workers.kv.event_log import CLEARED, REMOVED, STORED
 
 
 @dataclass

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.sampling.structured.spec import StructuredSpec
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
-
-from workers.errors import InvalidRequestError
-from workers.sampling.params import SamplingParams
-from workers.sampling.structured.spec import StructuredSpec
 
 
 class _Request(BaseModel):

@@ -13,18 +13,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
-
-from router import tools
-from router.engine_client import EngineClient
-from router.errors import APIError, to_api_error
-from router.protocol import (
+from baton_serve.router import tools
+from baton_serve.router.engine_client import EngineClient
+from baton_serve.router.errors import APIError, to_api_error
+from baton_serve.router.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -44,12 +40,28 @@ from router.protocol import (
     ToolCall,
     UsageInfo,
 )
-from router.server import ClientGone, EventStreamResponse, run_until_disconnected
-from router.stream import SSE_DONE, Choices, EngineJob, EngineRun, LogprobFormatter, SampleState, sse
-from router.tool_stream import ToolCallStreamer
-from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError, OverloadedError
-from workers.sampling.structured import DEFAULT_BACKEND, StructuredSpec, make_backend
-from workers.text.tokenizer import Tokenizer
+from baton_serve.router.server import ClientGone, EventStreamResponse, run_until_disconnected
+from baton_serve.router.stream import (
+    SSE_DONE,
+    Choices,
+    EngineJob,
+    EngineRun,
+    LogprobFormatter,
+    SampleState,
+    sse,
+)
+from baton_serve.router.tool_stream import ToolCallStreamer
+from baton_serve.workers.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    OutOfBlocksError,
+    OverloadedError,
+)
+from baton_serve.workers.sampling.structured import DEFAULT_BACKEND, StructuredSpec, make_backend
+from baton_serve.workers.text.tokenizer import Tokenizer
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,14 @@ class _Call:
                            usage.completion_tokens)
 
 
+def served_names(model_name: str | Sequence[str]) -> list[str]:
+    """One served name or several (aliases, as vLLM's ``--served-model-name``), as a list."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names:
+        raise ValueError("at least one served model name is needed")
+    return names
+
+
 class OpenAIServing:
     """Serves chat and completions for one model through ``client``.
 
@@ -92,11 +112,12 @@ class OpenAIServing:
     writer (see ``EngineRun``).
     """
 
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str | Sequence[str], max_model_len: int,
                  queue_size: int = 64) -> None:
         self.client = client
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_names = served_names(model_name)
+        self.model_name = self.model_names[0]  # what responses and metrics carry, as vLLM's first name
         self.max_model_len = max_model_len
         self.queue_size = queue_size
         self.logprob_fmt = LogprobFormatter(tokenizer)
@@ -104,8 +125,8 @@ class OpenAIServing:
         self._grammars: Any = None  # a grammar backend of our own, to refuse a bad one with a 400 up front
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name,
-                                         max_model_len=self.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, created=self.created, root=self.model_name,
+                                         max_model_len=self.max_model_len) for name in self.model_names])
 
     async def chat(self, body: ChatCompletionRequest, http: Request, ticket: Any = None) -> Response:
         """``POST /v1/chat/completions``: render the chat template, then generate."""
@@ -188,7 +209,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ request -> engine jobs
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:

@@ -14,9 +14,8 @@ from types import MappingProxyType
 from typing import Any
 
 import tokenizers
-
-from router.engine_client import EngineClient
-from router.protocol import (
+from baton_serve.router.engine_client import EngineClient
+from baton_serve.router.protocol import (
     ChatChoiceLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -24,11 +23,11 @@ from router.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from workers.engine.outputs import TokenDelta
-from workers.sampling.params import SamplingParams
-from workers.text.detokenizer import IncrementalDetokenizer
-from workers.text.stop_strings import StopStringMatcher
-from workers.text.tokenizer import Tokenizer
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.text.detokenizer import IncrementalDetokenizer
+from baton_serve.workers.text.stop_strings import StopStringMatcher
+from baton_serve.workers.text.tokenizer import Tokenizer
 
 SSE_DONE = "data: [DONE]\n\n"
 _END = object()  # a producer's engine iterator is exhausted

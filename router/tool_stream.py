@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from router.tools import CLOSE, OPEN
+from baton_serve.router.tools import CLOSE, OPEN
 
 # The head of a block in the order the grammar (and Hermes-style models) write it.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*', re.DOTALL)

@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from workers.errors import InvalidRequestError
-from workers.sampling.structured.spec import StructuredSpec
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.structured.spec import StructuredSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)

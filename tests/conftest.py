@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# The checkout's top-level folders are installed as baton_serve.*; on sys.path ahead of site-packages
+# (where `python -m pytest` and pytest's rootdir insertion put the checkout) kernels/ would shadow
+# Hugging Face's `kernels`, which transformers imports. The checkout stays reachable, last, for tests.*.
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -23,7 +31,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (converted once into the user cache)."""
-    from workers.checkpoint.default_model import default_model_path
+    from baton_serve.workers.checkpoint.default_model import default_model_path
 
     return default_model_path()
 
@@ -31,6 +39,21 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_tok(default_model_dir: Path):
     """The default model's tokenizer (SmolLM2-135M-Instruct)."""
-    from workers.text.tokenizer import Tokenizer
+    from baton_serve.workers.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(default_model_dir)
+
+
+# A module that starts Ray (or a `baton serve` that does) is marked `ray`, so that `make test-quick`
+# (`-m "not ray and not slow"`) stays a Ray-free inner loop without every such test saying so.
+_STARTS_RAY = re.compile(r"^\s*import ray\b|\bray_session\b|\bCluster\(|\bstart_fronts\(|\"serve\", \"--", re.M)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    starts_ray: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.path))
+        if path not in starts_ray:
+            starts_ray[path] = bool(_STARTS_RAY.search(path.read_text(encoding="utf-8")))
+        if starts_ray[path] or "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)

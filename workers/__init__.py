@@ -8,11 +8,11 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str) -> Any:
     # Lazy so that light imports (errors, sampling params) don't pull in the model stack.
     if name == "LLM":
-        from workers.llm import LLM
+        from baton_serve.workers.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from workers.sampling.params import SamplingParams
+        from baton_serve.workers.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

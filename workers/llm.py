@@ -11,22 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from kernels import capabilities, cpu_ops
-from kernels.auto_dtype import resolve_dtype
-from kernels.device import resolve_device
-from workers.blocks.prefix_hash import CacheNamespace
-from workers.checkpoint.default_model import resolve_model
-from workers.engine.config import EngineConfig, engine_config
-from workers.engine.core import EngineCore
-from workers.engine.gpu_memory import plan_gpu_kv_cache
-from workers.engine.model_runner import kv_cache_block_bytes
-from workers.engine.output_processor import OutputProcessor
-from workers.engine.outputs import RequestOutput
-from workers.errors import InvalidRequestError, ModelLoadError
-from workers.model.loader import load_model, parse_dtype, safetensors_files
-from workers.sampling.params import SamplingParams
-from workers.text.tokenizer import Tokenizer
+from baton_serve.kernels import capabilities, cpu_ops
+from baton_serve.kernels.auto_dtype import resolve_dtype
+from baton_serve.kernels.device import resolve_device
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.workers.checkpoint.default_model import resolve_model
+from baton_serve.workers.engine.config import EngineConfig, engine_config
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.gpu_memory import plan_gpu_kv_cache
+from baton_serve.workers.engine.model_runner import kv_cache_block_bytes
+from baton_serve.workers.engine.output_processor import OutputProcessor
+from baton_serve.workers.engine.outputs import RequestOutput
+from baton_serve.workers.errors import InvalidRequestError, ModelLoadError
+from baton_serve.workers.model.loader import load_model, parse_dtype, safetensors_files
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

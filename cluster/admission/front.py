@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.admission.gate import AdmissionError, IngressGate
-from cluster.admission.kv import KVAdmission
-from cluster.admission.tenants import TenantDirectory
-from cluster.usage import UsageStore, make_usage_store
+from baton_serve.cluster.admission.gate import AdmissionError, IngressGate
+from baton_serve.cluster.admission.kv import KVAdmission
+from baton_serve.cluster.admission.tenants import TenantDirectory
+from baton_serve.cluster.usage import UsageStore, make_usage_store
 
 log = logging.getLogger("baton.admission")
 
@@ -35,7 +35,7 @@ def tenant_directory(server: Any) -> TenantDirectory:
 def usage_path(usage: Any) -> Path:
     if usage.path:
         return Path(usage.path).expanduser()
-    from workers.checkpoint.default_model import cache_root
+    from baton_serve.workers.checkpoint.default_model import cache_root
 
     return cache_root() / "usage.sqlite3"
 

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.admission.buckets import TokenBucket
-from cluster.admission.tenants import AuthenticationError, Identity, Tenant, TenantDirectory
-from cluster.usage import UsageRecord
-from router.errors import APIError
+from baton_serve.cluster.admission.buckets import TokenBucket
+from baton_serve.cluster.admission.tenants import AuthenticationError, Identity, Tenant, TenantDirectory
+from baton_serve.cluster.usage import UsageRecord
+from baton_serve.router.errors import APIError
 
 log = logging.getLogger("baton.admission")
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.idempotency import IdempotencyConflict
+from baton_serve.router.idempotency import IdempotencyConflict
 
 
 @dataclass

@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.admission.gate import AdmissionError
-from cluster.admission.tenants import Tenant
-from workers.engine.reservation import ReservationLedger
-from workers.registry import Registry
+from baton_serve.cluster.admission.gate import AdmissionError
+from baton_serve.cluster.admission.tenants import Tenant
+from baton_serve.workers.engine.reservation import ReservationLedger
+from baton_serve.workers.registry import Registry
 
 _RATE_WINDOW_S = 30.0
 

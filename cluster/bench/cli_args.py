@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+from baton_serve.extras import install_hint
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -99,9 +101,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def bench_config(args: argparse.Namespace):  # -> BenchConfig (imported late: start-up stays fast)
     """The BenchConfig the options in ``args`` describe (server options default where ``args`` has none)."""
-    from cluster.bench.metrics import parse_goodput
-    from cluster.bench.runner import BenchConfig
-    from cluster.bench.workload import LengthDist, WorkloadConfig
+    from baton_serve.cluster.bench.metrics import parse_goodput
+    from baton_serve.cluster.bench.runner import BenchConfig
+    from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
 
     goodput = getattr(args, "goodput", None)
     if goodput and any(g in ("sweep", "run") for g in goodput):
@@ -124,9 +126,12 @@ def bench_config(args: argparse.Namespace):  # -> BenchConfig (imported late: st
     if num_prompts is None:
         num_prompts = None if args.dataset_name == "trace" else 100
     model = getattr(args, "model", None)
-    # Baton serves a folder under the folder's name.
+    # Baton serves a folder under the model's own name (the folder's, less a cache digest).
     is_dir = model is not None and Path(model).expanduser().is_dir()
-    api_name = getattr(args, "served_model_name", None) or (Path(model).expanduser().name if is_dir else model)
+    if is_dir:
+        from baton_serve.workers.checkpoint.default_model import served_name
+    api_name = getattr(args, "served_model_name", None) or (served_name(Path(model).expanduser()) if is_dir
+                                                            else model)
     spec = getattr(args, "metric_percentiles", "50,90,99")
     percentiles = tuple(float(x) for x in spec.split(",") if x.strip())
     if any(not 0 < q <= 100 for q in percentiles):
@@ -146,7 +151,7 @@ def bench_config(args: argparse.Namespace):  # -> BenchConfig (imported late: st
 
 def _write(args: argparse.Namespace, data: dict, md: str, plot) -> None:
     """JSON to --result-file, the Markdown and the PNG beside it; the Markdown to stdout always."""
-    from cluster.bench.report import write_json
+    from baton_serve.cluster.bench.report import write_json
 
     print(md)
     if args.result_file is None:
@@ -158,14 +163,14 @@ def _write(args: argparse.Namespace, data: dict, md: str, plot) -> None:
         try:
             written.append(str(plot(path.with_suffix(".png"))))
         except ImportError:
-            print("baton bench: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
+            print(f"baton bench: warning: no matplotlib, no plot ({install_hint('matplotlib')})", file=sys.stderr)
     print(f"baton bench: wrote {', '.join(written)}", file=sys.stderr)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """The ``bench`` command: 0 on success, 2 with a one-line error for bad options, a bad
     workload or an unreachable server (request failures are results, not errors)."""
-    from cluster.bench.workload import WorkloadError
+    from baton_serve.cluster.bench.workload import WorkloadError
 
     try:
         cfg = bench_config(args)
@@ -182,13 +187,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.action == "sweep":
-            from cluster.bench.sweep import plot_sweep, run_sweep, sweep_json, sweep_markdown
+            from baton_serve.cluster.bench.sweep import plot_sweep, run_sweep, sweep_json, sweep_markdown
 
             sw = run_sweep(cfg, rates, args.sweep_stop_after)
             _write(args, sweep_json(sw), sweep_markdown(sw), lambda p: plot_sweep(sw, p))
         else:
-            from cluster.bench.report import markdown, plot_run, result_json
-            from cluster.bench.runner import run
+            from baton_serve.cluster.bench.report import markdown, plot_run, result_json
+            from baton_serve.cluster.bench.runner import run
 
             res = run(cfg)
             _write(args, result_json(res), markdown(res), lambda p: plot_run(res, p))

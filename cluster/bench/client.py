@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-from cluster.bench.metrics import RequestRecord
-from cluster.bench.prompts import Prompt
+from baton_serve.cluster.bench.metrics import RequestRecord
+from baton_serve.cluster.bench.prompts import Prompt
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

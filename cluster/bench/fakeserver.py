@@ -8,7 +8,7 @@ the request arrived, the rest ``itl_s`` apart, then a usage chunk and ``[DONE]``
 (triggered by the ``stall_at``-th request, 0-based) holds every emission for ``stall_s``
 seconds, like a GC pause or a preempted host.
 
-    python -m cluster.bench.fakeserver --port 8123 --ttft-ms 200 --itl-ms 50   # try `baton bench` on it
+    python -m baton_serve.cluster.bench.fakeserver --port 8123 --ttft-ms 200 --itl-ms 50   # try `baton bench` on it
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.metrics import SLO
-from cluster.bench.report import pyplot, save_figure
-from cluster.bench.runner import BenchConfig, config_dict, run
-from cluster.bench.workload import WorkloadError
-from cluster.config import ClusterConfig
+from baton_serve.cluster.bench.metrics import SLO
+from baton_serve.cluster.bench.report import pyplot, save_figure
+from baton_serve.cluster.bench.runner import BenchConfig, config_dict, run
+from baton_serve.cluster.bench.workload import WorkloadError
+from baton_serve.cluster.config import ClusterConfig
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -158,9 +158,8 @@ def _log(msg: str) -> None:
 def _start_front(cluster: Any, model_name: str, port: int, max_queued: int) -> tuple[Any, str]:
     """The same HTTP front actor as ``baton serve``, pinned to this node so loopback reaches it."""
     import ray
+    from baton_serve.cluster.http_actor import HTTPFront
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from cluster.http_actor import HTTPFront
 
     workers = [{"worker_id": w.worker_id, "role": w.role, "handle": w.handle, "info": w.info}
                for w in cluster.workers]
@@ -214,8 +213,8 @@ def run_layout(base: ClusterConfig, layout: Layout, bench: BenchConfig, port: in
     Start-up and bench failures are returned as the result's ``error``; WorkloadError is raised
     (the workload is the same for every layout, so it would fail them all).
     """
-    from cluster.http_actor import stop_fronts
-    from cluster.launcher import Cluster
+    from baton_serve.cluster.http_actor import stop_fronts
+    from baton_serve.cluster.launcher import Cluster
 
     result = LayoutResult(layout)
     config = base.with_overrides(**{"pools.prefill": layout.prefill, "pools.decode": layout.decode,
@@ -225,8 +224,9 @@ def run_layout(base: ClusterConfig, layout: Layout, bench: BenchConfig, port: in
     t0 = time.monotonic()
     try:
         cluster.start()
-        model_name = result.model = config.server.model_name or cluster.model_path.name
-        front, url = _start_front(cluster, model_name, port, config.server.max_queued_requests)
+        names = config.server.served_model_names(cluster.model_path)
+        model_name = result.model = names[0]
+        front, url = _start_front(cluster, names, port, config.server.max_queued_requests)
         _wait_ready(url, READY_TIMEOUT_S)
         result.startup_s = time.monotonic() - t0
         _log(f"{layout.name}: ready in {result.startup_s:.1f} s at {url}")
@@ -261,8 +261,7 @@ def run_plan(base: ClusterConfig, layouts: list[Layout], bench: BenchConfig, por
              command: str = "") -> PlanResult:
     """Run each layout in turn on one Ray session (started here unless one is up or ``ray.address`` is set)."""
     import ray
-
-    from cluster.launcher import init_ray
+    from baton_serve.cluster.launcher import init_ray
 
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     own_ray = init_ray(base)

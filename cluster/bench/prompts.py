@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from cluster.bench.workload import RequestSpec
+from baton_serve.cluster.bench.workload import RequestSpec
 
 # Short, frequent words: one token each in every BPE vocabulary we know, so n words ~ n tokens.
 _WORDS = (
@@ -165,9 +165,9 @@ def load_tokenizer(tokenizer: str | None, model: str | None) -> tuple[TokenizerL
     ``tokenizer`` (a folder) wins; else ``model`` when it is a local folder, or the default model
     (``resolve_model``) when ``model`` names it. Never raises: failure means approximate lengths.
     """
-    from workers.checkpoint.default_model import DEFAULT_MODEL_NAME, resolve_model
-    from workers.errors import ModelLoadError
-    from workers.text.tokenizer import Tokenizer
+    from baton_serve.workers.checkpoint.default_model import DEFAULT_MODEL_NAME, resolve_model
+    from baton_serve.workers.errors import ModelLoadError
+    from baton_serve.workers.text.tokenizer import Tokenizer
 
     try:
         if tokenizer is not None:

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.metrics import METRICS, RequestRecord
-from cluster.bench.runner import BenchResult, config_dict
+from baton_serve.cluster.bench.metrics import METRICS, RequestRecord
+from baton_serve.cluster.bench.runner import BenchResult, config_dict
+
+from baton_serve.extras import install_hint
 
 _LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 
@@ -76,7 +78,7 @@ def write_plan_outputs(data: dict[str, Any], md: str, path: Path,
         try:
             written.append(plot(path.with_suffix(".png")))
         except ImportError:
-            print("baton plan: warning: no matplotlib, no plot (pip install -e '.[bench]')", file=sys.stderr)
+            print(f"baton plan: warning: no matplotlib, no plot ({install_hint('matplotlib')})", file=sys.stderr)
     return written
 
 

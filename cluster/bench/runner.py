@@ -22,12 +22,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-from cluster.bench.arrivals import arrival_offsets, trace_offsets
-from cluster.bench.client import Endpoint, fetch_model_name, send
-from cluster.bench.metrics import DEFAULT_PERCENTILES, SLO, RequestRecord, summarize
-from cluster.bench.prompts import Prompt, PromptFactory, load_tokenizer
-from cluster.bench.workload import RequestSpec, WorkloadConfig, WorkloadError
+from baton_serve.cluster.bench.arrivals import arrival_offsets, trace_offsets
+from baton_serve.cluster.bench.client import Endpoint, fetch_model_name, send
+from baton_serve.cluster.bench.metrics import DEFAULT_PERCENTILES, SLO, RequestRecord, summarize
+from baton_serve.cluster.bench.prompts import Prompt, PromptFactory, load_tokenizer
+from baton_serve.cluster.bench.workload import RequestSpec, WorkloadConfig, WorkloadError
 
 _LOOP_PROBE_S = 0.02
 
@@ -256,7 +255,7 @@ def config_dict(cfg: BenchConfig) -> dict[str, Any]:
 def config_from_dict(data: dict[str, Any]) -> BenchConfig:
     """The inverse of :func:`config_dict`: a BenchConfig from a result file's ``config`` (or
     ``bench_config``). Raises WorkloadError naming a field that does not fit."""
-    from cluster.bench.workload import LengthDist
+    from baton_serve.cluster.bench.workload import LengthDist
 
     def num(v: Any) -> Any:
         return math.inf if v == "inf" else v

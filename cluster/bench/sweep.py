@@ -11,9 +11,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.metrics import SLO
-from cluster.bench.report import pyplot, save_figure
-from cluster.bench.runner import BenchConfig, config_dict, run
+from baton_serve.cluster.bench.metrics import SLO
+from baton_serve.cluster.bench.report import pyplot, save_figure
+from baton_serve.cluster.bench.runner import BenchConfig, config_dict, run
 
 MAX_FAILED_FRACTION = 0.01  # failures beyond 1% would hide inside a p99 of the completed ones
 

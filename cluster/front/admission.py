@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cluster.admission.kv import KVDemand, Reservation
-from cluster.admission.tenants import ANONYMOUS, Tenant
-from router.routing import Decision
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.admission.kv import KVDemand, Reservation
+from baton_serve.cluster.admission.tenants import ANONYMOUS, Tenant
+from baton_serve.router.routing import Decision
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 def kv_demand(wire_id: str, ticket: Any, prompt_len: int, max_tokens: int, params: SamplingParams,

@@ -18,22 +18,22 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.front import admission as stage2
-from cluster.front.links import WorkerLinks
-from cluster.front.placement import Placement
-from cluster.front.routing import FrontRouter, output_budget
-from cluster.front.streams import Migrate, Stream
-from cluster.front.sync import PoolSync
-from cluster.front.workers import CacheLayout, WorkerRef, is_colocated
-from cluster.front.workers import ready as pool_ready
-from router.prefix_index import PrefixIndex
-from router.routing import Decision, RoutingPolicy, WorkerLoad, make_policy
-from router.routing.decision_log import DecisionLog
-from workers.actor.messages import params_to_dict
-from workers.engine.outputs import TokenDelta
-from workers.engine.validation import RequestLimits
-from workers.errors import InvalidRequestError, OverloadedError, WorkerLostError
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.front import admission as stage2
+from baton_serve.cluster.front.links import WorkerLinks
+from baton_serve.cluster.front.placement import Placement
+from baton_serve.cluster.front.routing import FrontRouter, output_budget
+from baton_serve.cluster.front.streams import Migrate, Stream
+from baton_serve.cluster.front.sync import PoolSync
+from baton_serve.cluster.front.workers import CacheLayout, WorkerRef, is_colocated
+from baton_serve.cluster.front.workers import ready as pool_ready
+from baton_serve.router.prefix_index import PrefixIndex
+from baton_serve.router.routing import Decision, RoutingPolicy, WorkerLoad, make_policy
+from baton_serve.router.routing.decision_log import DecisionLog
+from baton_serve.workers.actor.messages import params_to_dict
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.validation import RequestLimits
+from baton_serve.workers.errors import InvalidRequestError, OverloadedError, WorkerLostError
+from baton_serve.workers.sampling.params import SamplingParams
 
 log = logging.getLogger("baton.pool")
 

@@ -9,10 +9,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from cluster.front.workers import WorkerRef
-from workers.actor.messages import decode_deltas
-from workers.actor.output_stream import FRAME, frame, hello_payload
-from workers.engine.outputs import TokenDelta
+from baton_serve.cluster.front.workers import WorkerRef
+from baton_serve.workers.actor.messages import decode_deltas
+from baton_serve.workers.actor.output_stream import FRAME, frame, hello_payload
+from baton_serve.workers.engine.outputs import TokenDelta
 
 log = logging.getLogger("baton.pool")
 

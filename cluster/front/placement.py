@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.front.workers import WorkerRef
-from router.routing import Decision
-from workers.engine.outputs import TokenDelta
+from baton_serve.cluster.front.workers import WorkerRef
+from baton_serve.router.routing import Decision
+from baton_serve.workers.engine.outputs import TokenDelta
 
 
 @dataclass

@@ -10,16 +10,16 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from cluster.front.placement import Placement
-from cluster.front.workers import CacheLayout, WorkerRef
-from router.prefix_index import PrefixIndex
-from router.routing import Candidates, Decision, RouteRequest, RoutingPolicy
-from router.routing.cost_model import CostModel
-from router.routing.decision_log import DecisionLog
-from workers.blocks.prefix_hash import block_hashes
-from workers.engine.validation import RequestLimits
-from workers.errors import OverloadedError
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.front.placement import Placement
+from baton_serve.cluster.front.workers import CacheLayout, WorkerRef
+from baton_serve.router.prefix_index import PrefixIndex
+from baton_serve.router.routing import Candidates, Decision, RouteRequest, RoutingPolicy
+from baton_serve.router.routing.cost_model import CostModel
+from baton_serve.router.routing.decision_log import DecisionLog
+from baton_serve.workers.blocks.prefix_hash import block_hashes
+from baton_serve.workers.engine.validation import RequestLimits
+from baton_serve.workers.errors import OverloadedError
+from baton_serve.workers.sampling.params import SamplingParams
 
 log = logging.getLogger("baton.pool")
 

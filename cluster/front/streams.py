@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.outputs import TokenDelta
 
 
 @dataclass

@@ -11,8 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from cluster.front.routing import FrontRouter
-from cluster.front.workers import WorkerRef
+from baton_serve.cluster.front.routing import FrontRouter
+from baton_serve.cluster.front.workers import WorkerRef
 
 log = logging.getLogger("baton.pool")
 

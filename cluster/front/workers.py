@@ -6,8 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.routing import WorkerLoad
-from workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.router.routing import WorkerLoad
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
 
 
 @dataclass

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.rebalance.signals import PoolSignals, Signals
+from baton_serve.cluster.rebalance.signals import PoolSignals, Signals
 
 ROLES = ("prefill", "decode", "colocated")
 

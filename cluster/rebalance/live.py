@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from cluster.rebalance.decide import ClusterView, RebalanceDecision, Rebalancer, WorkerView
-from cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample, time_share
+from baton_serve.cluster.rebalance.decide import ClusterView, RebalanceDecision, Rebalancer, WorkerView
+from baton_serve.cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample, time_share
 
 log = logging.getLogger("baton.rebalance")
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.plan import Layout
-from cluster.bench.runner import BenchConfig, config_from_dict
-from cluster.bench.workload import WorkloadError
-from cluster.config import ClusterConfig
-from cluster.sim.run import SimHardware, simulate
+from baton_serve.cluster.bench.plan import Layout
+from baton_serve.cluster.bench.runner import BenchConfig, config_from_dict
+from baton_serve.cluster.bench.workload import WorkloadError
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.sim.run import SimHardware, simulate
 
 # (summary key, label): what the table compares
 METRICS = (("goodput_per_worker", "goodput/worker"), ("median_ttft_ms", "p50 TTFT"), ("p99_ttft_ms", "p99 TTFT"),

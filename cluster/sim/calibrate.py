@@ -9,10 +9,10 @@ import dataclasses
 import math
 from typing import Any
 
-from cluster.config import ClusterConfig
-from cluster.sim.against import Measured, compare
-from cluster.sim.profile import HostCost, LatencyProfile
-from cluster.sim.run import SimHardware
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.sim.against import Measured, compare
+from baton_serve.cluster.sim.profile import HostCost, LatencyProfile
+from baton_serve.cluster.sim.run import SimHardware
 
 GRID_MS = {"per_step_s": (0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 20.0, 24.0, 32.0),
            "per_token_s": (0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0),

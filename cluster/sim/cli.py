@@ -21,7 +21,7 @@ def _ints(text: str) -> list[int]:
 
 def add_sim_parser(plan_sub: Any) -> None:
     """Register ``baton plan sim`` under ``baton plan``."""
-    from cluster.bench.cli_args import add_workload_arguments
+    from baton_serve.cluster.bench.cli_args import add_workload_arguments
 
     sim = plan_sub.add_parser(
         "sim", help="simulate layouts on a latency profile (our scheduler, block manager and router on a "
@@ -101,7 +101,7 @@ def run_profile_command(args: argparse.Namespace) -> int:
     """Measure and write a profile; 2 with a one-line error for bad options."""
     import os
 
-    from cluster.sim.profiler import measure_profile
+    from baton_serve.cluster.sim.profiler import measure_profile
 
     connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     unknown = [c for c in connectors if c not in ("shared_memory", "collective")]
@@ -129,7 +129,7 @@ def run_profile_command(args: argparse.Namespace) -> int:
 
 
 def _hardware(args: argparse.Namespace, profile: Any) -> Any:
-    from cluster.sim.run import SimHardware
+    from baton_serve.cluster.sim.run import SimHardware
 
     cpu = str(profile.machine.get("device", "cpu")) == "cpu"
     shared = args.shared_cores if args.shared_cores is not None else (int(profile.machine.get("cores", 1)) if cpu else 0)
@@ -140,12 +140,18 @@ def _hardware(args: argparse.Namespace, profile: Any) -> Any:
 
 def run_sim_command(args: argparse.Namespace) -> int:
     """0 when a layout ran; 2 with a one-line error for bad options, profile or workload."""
-    from cluster.bench.cli_args import bench_config
-    from cluster.bench.plan import parse_ratios
-    from cluster.bench.report import write_plan_outputs
-    from cluster.config import load_config
-    from cluster.sim.plan import plot_sim_plan, run_sim_plan, search_space, sim_plan_json, sim_plan_markdown
-    from cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.bench.cli_args import bench_config
+    from baton_serve.cluster.bench.plan import parse_ratios
+    from baton_serve.cluster.bench.report import write_plan_outputs
+    from baton_serve.cluster.config import load_config
+    from baton_serve.cluster.sim.plan import (
+        plot_sim_plan,
+        run_sim_plan,
+        search_space,
+        sim_plan_json,
+        sim_plan_markdown,
+    )
+    from baton_serve.cluster.sim.profile import LatencyProfile
 
     try:
         profile = LatencyProfile.load(args.profile)
@@ -179,8 +185,8 @@ def run_sim_command(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace, base: Any, profile: Any, hardware: Any) -> int:
-    from cluster.sim.against import compare, error_markdown, load_measured
-    from cluster.sim.calibrate import calibrate
+    from baton_serve.cluster.sim.against import compare, error_markdown, load_measured
+    from baton_serve.cluster.sim.calibrate import calibrate
 
     measured = [m for path in args.calibrate for m in load_measured(path, args.layout)]
     if not measured:
@@ -199,8 +205,8 @@ def _calibrate(args: argparse.Namespace, base: Any, profile: Any, hardware: Any)
 
 
 def _against(args: argparse.Namespace, base: Any, profile: Any, hardware: Any) -> int:
-    from cluster.bench.report import write_json
-    from cluster.sim.against import compare, error_markdown, load_measured
+    from baton_serve.cluster.bench.report import write_json
+    from baton_serve.cluster.sim.against import compare, error_markdown, load_measured
 
     measured = load_measured(args.against, args.layout)
     if not measured:

@@ -13,22 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.admission.gate import AdmissionError
-from cluster.bench.metrics import RequestRecord
-from cluster.front import admission as stage2
-from cluster.front.placement import Placement
-from cluster.front.routing import FrontRouter, output_budget
-from cluster.front.streams import Stream
-from cluster.front.workers import CacheLayout, WorkerRef, is_colocated
-from cluster.sim.events import EventLoop
-from cluster.sim.requests import SimRequest
-from cluster.sim.worker import SimWorker
-from router.prefix_index import PrefixIndex
-from router.routing import Decision, RoutingPolicy
-from workers.engine.outputs import TokenDelta
-from workers.engine.validation import RequestLimits
-from workers.errors import BatonError
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.admission.gate import AdmissionError
+from baton_serve.cluster.bench.metrics import RequestRecord
+from baton_serve.cluster.front import admission as stage2
+from baton_serve.cluster.front.placement import Placement
+from baton_serve.cluster.front.routing import FrontRouter, output_budget
+from baton_serve.cluster.front.streams import Stream
+from baton_serve.cluster.front.workers import CacheLayout, WorkerRef, is_colocated
+from baton_serve.cluster.sim.events import EventLoop
+from baton_serve.cluster.sim.requests import SimRequest
+from baton_serve.cluster.sim.worker import SimWorker
+from baton_serve.router.prefix_index import PrefixIndex
+from baton_serve.router.routing import Decision, RoutingPolicy
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.validation import RequestLimits
+from baton_serve.workers.errors import BatonError
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 @dataclass

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from cluster.bench.metrics import SLO
-from cluster.bench.plan import Layout, LayoutResult, choose_best, plan_layouts
-from cluster.bench.runner import BenchConfig, config_dict
-from cluster.config import ClusterConfig
-from cluster.sim.run import SimHardware, simulate
+from baton_serve.cluster.bench.metrics import SLO
+from baton_serve.cluster.bench.plan import Layout, LayoutResult, choose_best, plan_layouts
+from baton_serve.cluster.bench.runner import BenchConfig, config_dict
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.sim.run import SimHardware, simulate
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _case_config(base: ClusterConfig, case: SimCase) -> ClusterConfig:
 
 def _run_case(job: tuple[ClusterConfig, SimCase, BenchConfig, dict[str, Any], SimHardware, int]) -> dict[str, Any]:
     """One case, in a worker process (everything in and out is plain data)."""
-    from cluster.sim.profile import LatencyProfile
+    from baton_serve.cluster.sim.profile import LatencyProfile
 
     base, case, bench, profile, hardware, seed = job
     try:
@@ -196,7 +196,7 @@ def sim_plan_markdown(pr: SimPlanResult) -> str:
 
 def plot_sim_plan(pr: SimPlanResult, path: Any) -> Any:
     """Bars of simulated goodput per worker per case, the best highlighted, failed ones marked."""
-    from cluster.bench.report import pyplot, save_figure
+    from baton_serve.cluster.bench.report import pyplot, save_figure
 
     plt = pyplot()
     values = [r.goodput_per_worker for r in pr.results]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from cluster.sim.profile import RULES, Grid, LatencyProfile, TransferCost
+from baton_serve.cluster.sim.profile import RULES, Grid, LatencyProfile, TransferCost
 
 FULL = {"new_tokens": [1, 16, 64, 128, 256, 512, 1024, 2048], "cached_tokens": [0, 512, 1024, 2048, 4096],
         "batch": [1, 2, 4, 8, 16, 32, 64], "context_per_seq": [16, 256, 1024, 2048], "repeats": 3,
@@ -62,7 +62,7 @@ class _Bench:
         return time.perf_counter() - t
 
     def params(self, max_tokens: int) -> Any:
-        from workers.sampling.params import SamplingParams
+        from baton_serve.workers.sampling.params import SamplingParams
 
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
@@ -155,9 +155,8 @@ def _fit_line(points: Sequence[tuple[int, float]]) -> TransferCost:
 def measure_copy(caches: Any, block_size: int, counts: list[int], repeats: int) -> TransferCost:
     """``shared_memory``: the receiving worker's copy of ``n`` blocks from a peer's cache into its own."""
     import torch
-
-    from workers.kv.layout import allocate_kv
-    from workers.kv.transfer import KVTransferEngine
+    from baton_serve.workers.kv.layout import allocate_kv
+    from baton_serve.workers.kv.transfer import KVTransferEngine
 
     k = caches[0][0]
     shape = (max(counts) * 2 + 1, block_size, k.shape[2], k.shape[3])
@@ -180,10 +179,9 @@ def measure_copy(caches: Any, block_size: int, counts: list[int], repeats: int) 
 def _recv_side(conn: Any, rdv: dict[str, Any], spec: dict[str, Any]) -> None:
     """The spawned receiver of ``measure_collective``: join, then receive each batch it is told of."""
     import torch
-
-    from workers.kv.layout import allocate_kv
-    from workers.kv.pair_group import PairGroup, PairRendezvous
-    from workers.kv.transfer import KVTransferEngine
+    from baton_serve.workers.kv.layout import allocate_kv
+    from baton_serve.workers.kv.pair_group import PairGroup, PairRendezvous
+    from baton_serve.workers.kv.transfer import KVTransferEngine
 
     torch.set_num_threads(1)
     group = PairGroup(spec["device"])
@@ -204,8 +202,8 @@ def measure_collective(caches: Any, block_size: int, counts: list[int], repeats:
     ``send_blocks`` timed until the receiver acknowledges."""
     import multiprocessing
 
-    from workers.kv.pair_group import PairGroup
-    from workers.kv.transfer import KVTransferEngine
+    from baton_serve.workers.kv.pair_group import PairGroup
+    from baton_serve.workers.kv.transfer import KVTransferEngine
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     k = caches[0][0]
@@ -221,7 +219,7 @@ def measure_collective(caches: Any, block_size: int, counts: list[int], repeats:
         group.join(rdv, 0)
         if not ours.poll(120) or ours.recv() != "ready":
             raise RuntimeError("the receiving process did not start")
-        from workers.kv.layout import allocate_kv
+        from baton_serve.workers.kv.layout import allocate_kv
 
         src = allocate_kv(len(caches), tuple(shape), k.dtype, k.device)
         engine = KVTransferEngine(src, block_size, k.device)
@@ -254,10 +252,9 @@ def measure_profile(model_path: str | None = None, dtype: str = "auto", threads:
                     log: Callable[[str], None] = lambda msg: None) -> LatencyProfile:
     """Measure the profile of ``model_path`` (default: the embedded model) on this machine."""
     import torch
-
-    from workers.engine.config import EngineConfig, SchedulerConfig
-    from workers.engine.model_runner import kv_cache_block_bytes
-    from workers.llm import build_engine
+    from baton_serve.workers.engine.config import EngineConfig, SchedulerConfig
+    from baton_serve.workers.engine.model_runner import kv_cache_block_bytes
+    from baton_serve.workers.llm import build_engine
 
     grid = QUICK if quick else FULL
     new_axis = [n for n in grid["new_tokens"] if n <= max_num_batched_tokens] or [max_num_batched_tokens]

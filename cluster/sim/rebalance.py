@@ -12,11 +12,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cluster.bench.metrics import RequestRecord
-from cluster.rebalance.decide import Action, ClusterView, RebalanceDecision, Rebalancer, WorkerView
-from cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample, time_share
-from cluster.sim.events import EventLoop
-from cluster.sim.front import SimFront
+from baton_serve.cluster.bench.metrics import RequestRecord
+from baton_serve.cluster.rebalance.decide import (
+    Action,
+    ClusterView,
+    RebalanceDecision,
+    Rebalancer,
+    WorkerView,
+)
+from baton_serve.cluster.rebalance.signals import RequestSample, SignalWindow, WorkerSample, time_share
+from baton_serve.cluster.sim.events import EventLoop
+from baton_serve.cluster.sim.front import SimFront
 
 _DRAIN_POLL_S = 0.05
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from cluster.bench.runner import BenchConfig, schedule
-from cluster.bench.workload import RequestSpec, WorkloadError
+from baton_serve.cluster.bench.runner import BenchConfig, schedule
+from baton_serve.cluster.bench.workload import RequestSpec, WorkloadError
 
 _FIRST_ID = 16  # below: special tokens (BOS, EOS, pad) are never drawn
 _VOCAB = 32000

@@ -8,19 +8,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.admission.front import kv_admission
-from cluster.bench.metrics import RequestRecord, summarize
-from cluster.bench.plan import Layout
-from cluster.bench.runner import BenchConfig
-from cluster.config import ClusterConfig
-from cluster.sim.board import CoreBoard
-from cluster.sim.events import EventLoop
-from cluster.sim.front import SimFront
-from cluster.sim.requests import SimRequest, SimWorkload, build_workload
-from cluster.sim.worker import SimWorker
-from workers.blocks.prefix_hash import CacheNamespace
-from workers.engine.config import engine_config
-from workers.engine.validation import RequestLimits
+from baton_serve.cluster.admission.front import kv_admission
+from baton_serve.cluster.bench.metrics import RequestRecord, summarize
+from baton_serve.cluster.bench.plan import Layout
+from baton_serve.cluster.bench.runner import BenchConfig
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.sim.board import CoreBoard
+from baton_serve.cluster.sim.events import EventLoop
+from baton_serve.cluster.sim.front import SimFront
+from baton_serve.cluster.sim.requests import SimRequest, SimWorkload, build_workload
+from baton_serve.cluster.sim.worker import SimWorker
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.workers.engine.config import engine_config
+from baton_serve.workers.engine.validation import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def build_workers(loop: EventLoop, config: ClusterConfig, layout: Layout, profil
                   hardware: SimHardware) -> list[SimWorker]:
     """The layout's workers with the engine the config gives each one, sized as a worker sizes its
     KV cache (``kv_cache_memory_gib`` over the profile's block bytes, or ``num_kv_blocks``)."""
-    from cluster.launcher import worker_engine_kwargs
+    from baton_serve.cluster.launcher import worker_engine_kwargs
 
     kwargs = worker_engine_kwargs(config)
     kwargs["dtype"] = profile.model["dtype"]
@@ -177,9 +177,9 @@ def simulate(config: ClusterConfig, layout: Layout, bench: BenchConfig, profile:
                      index_ttl_s=router.index_ttl_s, request_delay_s=profile.host.per_request_s)
     rebalance = None
     if rebalancing:
-        from cluster.rebalance.decide import Rebalancer
-        from cluster.rebalance.signals import SignalWindow
-        from cluster.sim.rebalance import SimRebalance
+        from baton_serve.cluster.rebalance.decide import Rebalancer
+        from baton_serve.cluster.rebalance.signals import SignalWindow
+        from baton_serve.cluster.sim.rebalance import SimRebalance
 
         rb = config.rebalance
         rebalance = SimRebalance(loop, front, Rebalancer(rb.policy()), SignalWindow(rb.window_s, rb.targets()),

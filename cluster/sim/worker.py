@@ -21,16 +21,16 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from cluster.sim.board import CoreBoard
-from cluster.sim.events import EventLoop
-from workers.blocks.prefix_hash import CacheNamespace
-from workers.engine.config import EngineConfig
-from workers.engine.core import EngineCore
-from workers.engine.outputs import TokenDelta
-from workers.engine.scheduler import SchedulerOutput
-from workers.engine.stats import engine_stats
-from workers.errors import BatonError, OutOfBlocksError
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.sim.board import CoreBoard
+from baton_serve.cluster.sim.events import EventLoop
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.workers.engine.config import EngineConfig
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.scheduler import SchedulerOutput
+from baton_serve.workers.engine.stats import engine_stats
+from baton_serve.workers.errors import BatonError, OutOfBlocksError
+from baton_serve.workers.sampling.params import SamplingParams
 
 log = logging.getLogger("baton.sim")
 

@@ -1,8 +1,8 @@
 """Exactly-once usage records: one ``UsageRecord`` per response, kept by a ``UsageStore`` chosen by name."""
 
-from cluster.usage.record import COLUMNS, ENDPOINTS, UsageRecord
-from cluster.usage.sqlite_store import SQLiteUsageStore
-from cluster.usage.store import (
+from baton_serve.cluster.usage.record import COLUMNS, ENDPOINTS, UsageRecord
+from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
+from baton_serve.cluster.usage.store import (
     UsageStore,
     UsageStoreClosed,
     UsageStoreFactory,

@@ -11,8 +11,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import cast
 
-from cluster.usage.record import COLUMNS, UsageRecord
-from cluster.usage.store import UsageStore, UsageStoreClosed, register_usage_store
+from baton_serve.cluster.usage.record import COLUMNS, UsageRecord
+from baton_serve.cluster.usage.store import UsageStore, UsageStoreClosed, register_usage_store
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import abc
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from cluster.usage.record import UsageRecord
-from workers.registry import Registry
+from baton_serve.cluster.usage.record import UsageRecord
+from baton_serve.workers.registry import Registry
 
 
 class UsageStoreClosed(RuntimeError):
@@ -56,7 +56,7 @@ UsageStoreFactory = Callable[..., UsageStore]
 
 def _load_builtins() -> None:
     # Importing registers them; here rather than at the top, as they import this module.
-    from cluster.usage import sqlite_store  # noqa: F401
+    from baton_serve.cluster.usage import sqlite_store  # noqa: F401
 
 
 class _Entry:

@@ -1,6 +1,6 @@
 """Routing: which worker prefills a request and which decodes it, by a policy chosen by name."""
 
-from router.routing.base import (  # noqa: F401
+from baton_serve.router.routing.base import (  # noqa: F401
     Candidates,
     Decision,
     RouteRequest,

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from router.routing.rates import LinearCost, StepFit
-from workers.registry import Registry
+from baton_serve.router.routing.rates import LinearCost, StepFit
+from baton_serve.workers.registry import Registry
 
 
 @dataclass
@@ -209,7 +209,7 @@ class RoutingPolicy:
 
 def _load_builtins() -> None:
     # Importing registers them; here rather than at the top, as they import this module.
-    from router.routing.policies import cost, least_loaded, prefix, round_robin  # noqa: F401
+    from baton_serve.router.routing.policies import cost, least_loaded, prefix, round_robin  # noqa: F401
 
 
 _REGISTRY: Registry[type[RoutingPolicy]] = Registry("routing policy", _load_builtins)

@@ -50,8 +50,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from router.routing.base import RouteRequest
-from router.routing.rates import LinearCost, StepFit
+from baton_serve.router.routing.base import RouteRequest
+from baton_serve.router.routing.rates import LinearCost, StepFit
 
 # Priors until a worker reports (SmolLM2-135M fp32 on 2 Zen 3 cores, order of magnitude).
 PRIOR_PREFILL = (0.005, 1 / 2000)  # seconds per step, per prompt token

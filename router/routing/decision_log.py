@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from router.routing.base import Candidates, Decision, RouteRequest
+from baton_serve.router.routing.base import Candidates, Decision, RouteRequest
 
 
 class DecisionLog:

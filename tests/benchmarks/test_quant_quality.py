@@ -31,7 +31,7 @@ def full(default_model_dir):
                                                          ("int4", 32, 0.05)])
 def test_quantised_perplexity_stays_within_the_gate(full, default_model_dir, tmp_path, method, group_size,
                                                    max_loss) -> None:
-    from workers.checkpoint.quantize import quantize_folder
+    from baton_serve.workers.checkpoint.quantize import quantize_folder
 
     folder = quantize_folder(default_model_dir, tmp_path / method, method, group_size)
     got = quant_quality.evaluate(str(folder), "float32", THREADS)

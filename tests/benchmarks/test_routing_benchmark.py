@@ -6,10 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.metrics import Metrics
 
 from benchmarks.routing import _policy_specs, _worker_view, policy_config
-from cluster.config import ClusterConfig
-from cluster.metrics import Metrics
 
 
 def test_a_policy_variant_becomes_router_settings_the_config_accepts() -> None:

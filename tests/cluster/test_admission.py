@@ -12,11 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from cluster.admission.tenants import hash_key
-from cluster.config import ClusterConfig
-from cluster.serve import Deployment
-from cluster.usage.sqlite_store import SQLiteUsageStore
+from baton_serve.cluster.admission.tenants import hash_key
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.serve import Deployment
+from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
 
 KEYS = {"a": "sk-a", "b": "sk-b", "rate": "sk-rate", "flex": "sk-flex", "chaos": "sk-chaos", "flood": "sk-flood",
         "admin": "sk-admin"}
@@ -62,7 +61,7 @@ api_keys = ["{hash_key(KEYS['admin'])}"]
 
 @pytest.fixture(scope="module")
 def served(ray_session, tiny_model_dir, tmp_path_factory):
-    from router.server import ServerThread
+    from baton_serve.router.server import ServerThread
 
     d = tmp_path_factory.mktemp("admission")
     config = ClusterConfig.model_validate({
@@ -107,8 +106,8 @@ class Held:
     stops reading does not: loopback buffers take all of a tiny model's output at once)."""
 
     def __init__(self, served: Served, blocks: int) -> None:
-        from cluster.admission.kv import KVDemand
-        from cluster.admission.tenants import Tenant
+        from baton_serve.cluster.admission.kv import KVDemand
+        from baton_serve.cluster.admission.tenants import Tenant
 
         self.kv, self.loop = served.dep.pool.admission, served.dep.front.loop
         worker = next(iter(self.kv.ledgers))
@@ -215,8 +214,8 @@ def test_degrade_caps_max_tokens_for_a_tenant_that_allows_it(served):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_degrade_runs_fewer_samples_of_n_for_a_tenant_that_allows_it(served, stream):
-    from cluster.admission.kv import KVDemand
-    from cluster.admission.tenants import Tenant
+    from baton_serve.cluster.admission.kv import KVDemand
+    from baton_serve.cluster.admission.tenants import Tenant
 
     prompt_tokens = _post(served.url, "flex", _body(max_tokens=1)).json()["usage"]["prompt_tokens"]
     kv = served.dep.pool.admission

@@ -7,9 +7,8 @@ import json
 import socket
 
 import pytest
-
-from cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
-from cluster.cli import main
+from baton_serve.cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
+from baton_serve.cluster.cli import main
 
 VLLM_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
              "request_goodput", "total_input_tokens", "total_output_tokens", "input_lens", "output_lens", "ttfts",
@@ -59,7 +58,7 @@ def test_run_writes_json_markdown_and_plot_with_exact_token_prompts(tmp_path, to
         rc = _bench(server.url, "--num-prompts", "2", "--random-input-len", "12", "--random-output-len", "2",
                     "--num-warmups", "0", "--tokenizer", str(tokenizer_dir), "--text-prompts")
         texts = [b["prompt"] for b in server.bodies]
-    from workers.text.tokenizer import Tokenizer
+    from baton_serve.workers.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(tokenizer_dir)
     assert rc == 0 and all(isinstance(t, str) and len(tok.encode(t)) == 12 for t in texts)

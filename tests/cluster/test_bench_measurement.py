@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from cluster.bench.client import CHAT
-from cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
-from cluster.bench.metrics import SLO
-from cluster.bench.runner import BenchConfig, run
-from cluster.bench.workload import LengthDist, WorkloadConfig
+from baton_serve.cluster.bench.client import CHAT
+from baton_serve.cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
+from baton_serve.cluster.bench.metrics import SLO
+from baton_serve.cluster.bench.runner import BenchConfig, run
+from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
 
 TOL_MS = 40
 
@@ -124,7 +123,7 @@ def test_a_client_that_cannot_keep_up_is_reported(monkeypatch):
     import time
     import types
 
-    import cluster.bench.client as client_mod
+    import baton_serve.cluster.bench.client as client_mod
 
     def slow_loads(text: str):
         time.sleep(0.03)

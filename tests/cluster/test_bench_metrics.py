@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from baton_serve.cluster.bench.metrics import SLO, RequestRecord, parse_goodput, summarize
+from baton_serve.cluster.bench.sweep import SweepPoint, find_knee, meets
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cluster.bench.metrics import SLO, RequestRecord, parse_goodput, summarize
-from cluster.bench.sweep import SweepPoint, find_knee, meets
 
 
 def _rec(i: int, sched: float, emits: list[float], end: float | None = None, tokens: int | None = None,

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from cluster.bench.plan import (
+from baton_serve.cluster.bench.plan import (
     Layout,
     LayoutResult,
     PlanResult,
@@ -17,9 +16,9 @@ from cluster.bench.plan import (
     plan_markdown,
     split,
 )
-from cluster.bench.runner import BenchConfig
-from cluster.cli import main
-from cluster.config import ClusterConfig
+from baton_serve.cluster.bench.runner import BenchConfig
+from baton_serve.cluster.cli import main
+from baton_serve.cluster.config import ClusterConfig
 
 
 def test_parse_ratios():
@@ -115,8 +114,8 @@ def test_plan_live_runs_each_layout_and_names_the_best(ray_session, tiny_model_d
 
 
 def test_a_layout_that_fails_to_start_is_reported_and_the_plan_goes_on(ray_session, monkeypatch):
-    from cluster.bench.plan import run_plan
-    from cluster.launcher import Cluster
+    from baton_serve.cluster.bench.plan import run_plan
+    from baton_serve.cluster.launcher import Cluster
 
     calls = []
 

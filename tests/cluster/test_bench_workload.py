@@ -8,10 +8,9 @@ import math
 
 import numpy as np
 import pytest
-
-from cluster.bench.arrivals import arrival_offsets, trace_offsets
-from cluster.bench.prompts import PromptFactory, load_tokenizer
-from cluster.bench.workload import (
+from baton_serve.cluster.bench.arrivals import arrival_offsets, trace_offsets
+from baton_serve.cluster.bench.prompts import PromptFactory, load_tokenizer
+from baton_serve.cluster.bench.workload import (
     LengthDist,
     RequestSpec,
     WorkloadConfig,
@@ -117,7 +116,7 @@ def test_exact_prompts_with_a_local_tokenizer(word_tokenizer):
 
 
 def test_exact_prompts_with_the_default_model_tokenizer():
-    from workers.checkpoint.default_model import DEFAULT_MODEL_NAME, cache_root
+    from baton_serve.workers.checkpoint.default_model import DEFAULT_MODEL_NAME, cache_root
 
     folders = sorted((cache_root() / "models").glob(f"{DEFAULT_MODEL_NAME}-*"))
     if not folders or not (folders[0] / "tokenizer.json").is_file():

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from cluster import cli
+from baton_serve.cluster import cli
 
 
 def test_a_setting_out_of_range_is_one_line_and_status_2(capsys):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from cluster.cli import build_parser
-from cluster.config import ConfigError, load_config
+from baton_serve.cluster.cli import build_parser
+from baton_serve.cluster.config import ConfigError, load_config
 
 
 def test_the_default_policy_is_cost_with_conditional_disaggregation() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from cluster.controller import GlobalController
+from baton_serve.cluster.controller import GlobalController
 
 
 def test_health_checks_and_overload_signal(ray_session):
@@ -89,7 +89,7 @@ def _wait(ray, ctl, pred, timeout=20.0):
 def test_dead_worker_is_restarted_with_backoff_then_quarantined(ray_session):
     """A killed worker comes back as a new actor (same id, new incarnation, peers told); once it
     has died more than max_restarts times within the window, it stays dead (quarantined)."""
-    from cluster.restarts import RestartPolicy, WorkerSpec
+    from baton_serve.cluster.restarts import RestartPolicy, WorkerSpec
 
     ray = ray_session
     cls = _restartable()
@@ -130,7 +130,7 @@ def test_dead_worker_is_restarted_with_backoff_then_quarantined(ray_session):
 
 
 def test_a_stale_death_report_does_not_kill_the_restarted_worker(ray_session):
-    from cluster.restarts import RestartPolicy, WorkerSpec
+    from baton_serve.cluster.restarts import RestartPolicy, WorkerSpec
 
     ray = ray_session
     cls = _restartable()
@@ -156,7 +156,7 @@ def test_a_stale_death_report_does_not_kill_the_restarted_worker(ray_session):
 def test_a_restarted_controller_rebuilds_its_view_from_the_workers(ray_session):
     """Killed, the controller is started again by Ray with its members: it finds the workers as
     they are now (a restarted one by its name) and goes on restarting the dead."""
-    from cluster.restarts import RestartPolicy, WorkerSpec
+    from baton_serve.cluster.restarts import RestartPolicy, WorkerSpec
 
     ray = ray_session
     cls = _restartable()

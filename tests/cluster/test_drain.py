@@ -12,8 +12,7 @@ import threading
 import time
 
 import httpx
-
-from cluster.usage.sqlite_store import SQLiteUsageStore
+from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
 
 
 def _stream(url: str, out: dict, ready: threading.Event, lock: threading.Lock, started: list) -> None:
@@ -57,7 +56,7 @@ drain_timeout_s = 1.5
 path = "{usage}"
 """)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "baton_serve.cluster.cli", "serve", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

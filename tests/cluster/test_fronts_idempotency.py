@@ -6,15 +6,14 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
-from cluster.config import ClusterConfig
-from cluster.usage.sqlite_store import SQLiteUsageStore
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
 
 
 def test_retries_landing_on_either_front_share_one_generation(ray_session, tiny_model_dir, tmp_path):
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
-    from router.server import bind_socket
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.router.server import bind_socket
 
     usage = tmp_path / "usage.sqlite3"
     config = ClusterConfig.model_validate({

@@ -4,9 +4,8 @@ workers outnumber them, sleep on a cluster whose cores are unknown."""
 from __future__ import annotations
 
 import pytest
-
-from cluster import launcher
-from cluster.config import ClusterConfig
+from baton_serve.cluster import launcher
+from baton_serve.cluster.config import ClusterConfig
 
 PASSIVE = ("passive", {"OMP_WAIT_POLICY": "PASSIVE"})
 SPIN = ("spin", {})
@@ -108,7 +107,7 @@ def test_the_defaults_are_the_same_however_the_server_is_started():
     """``make serve`` reads deploy/local.toml, ``baton serve`` without --config the built-in defaults."""
     from pathlib import Path
 
-    from cluster.config import load_config
+    from baton_serve.cluster.config import load_config
 
     local = load_config(Path(__file__).resolve().parents[2] / "deploy" / "local.toml")
     assert local.model_dump() == ClusterConfig().model_dump()
@@ -116,7 +115,7 @@ def test_the_defaults_are_the_same_however_the_server_is_started():
 
 
 def test_workers_that_resolved_different_dtypes_are_refused():
-    from cluster.front.workers import WorkerRef
+    from baton_serve.cluster.front.workers import WorkerRef
 
     same = [WorkerRef("prefill-0", "prefill", None, {"dtype": "float32"}),
             WorkerRef("decode-0", "decode", None, {"dtype": "float32"})]
@@ -144,7 +143,7 @@ def test_pool_resources_are_custom_and_positive(resources):
 
 
 def test_workers_that_resolved_different_device_kinds_are_refused():
-    from cluster.front.workers import WorkerRef
+    from baton_serve.cluster.front.workers import WorkerRef
 
     gpus = [WorkerRef("prefill-0", "prefill", None, {"device": "cuda:0"}),
             WorkerRef("decode-0", "decode", None, {"device": "cuda:0"})]
@@ -211,7 +210,7 @@ def test_device_settings_are_checked(section, values, match):
 
 
 def test_the_engine_section_reaches_workers_in_the_engine_s_own_names():
-    from workers.engine.config import SchedulerConfig
+    from baton_serve.workers.engine.config import SchedulerConfig
 
     config = ClusterConfig.model_validate({"engine": {"long_prefill_token_threshold": 256,
                                                       "scheduling_policy": "fcfs"}})

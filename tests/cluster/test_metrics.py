@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cluster.metrics import Metrics
+from baton_serve.cluster.metrics import Metrics
 
 
 def _stats(**over) -> dict:

@@ -3,15 +3,14 @@ so operators and tests find them with Ray's own API."""
 
 from __future__ import annotations
 
-from cluster.config import ClusterConfig
+from baton_serve.cluster.config import ClusterConfig
 
 
 def test_workers_controller_and_fronts_are_named_in_the_deployments_namespace(tiny_model_dir):
     import ray
-
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
-    from router.server import bind_socket
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.router.server import bind_socket
 
     if ray.is_initialized():  # another module's session: this deployment must open its own
         ray.shutdown()

@@ -7,15 +7,14 @@ import asyncio
 import json
 from typing import Any
 
+from baton_serve.cluster.front import PoolClient, WorkerRef
+from baton_serve.router.routing import make_policy
+from baton_serve.workers.actor.messages import encode_deltas
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.validation import RequestLimits
+from baton_serve.workers.sampling.params import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cluster.front import PoolClient, WorkerRef
-from router.routing import make_policy
-from workers.actor.messages import encode_deltas
-from workers.engine.outputs import TokenDelta
-from workers.engine.validation import RequestLimits
-from workers.sampling.params import SamplingParams
 
 
 class _Method:
@@ -134,8 +133,8 @@ def test_admission_charges_a_shared_prompt_once_on_the_worker_that_holds_it():
     has room for the prompt once and two tails, instead of spilling to a cold worker."""
     import dataclasses
 
-    from cluster.admission.kv import KVAdmission
-    from workers.blocks.prefix_hash import CacheNamespace
+    from baton_serve.cluster.admission.kv import KVAdmission
+    from baton_serve.workers.blocks.prefix_hash import CacheNamespace
 
     ns = dataclasses.asdict(CacheNamespace(model="m", weights_hash="w", block_size=8))
     refs = [WorkerRef(f"colocated-{i}", "colocated", ScriptedWorker(lambda *a: []),
@@ -267,7 +266,7 @@ def test_the_decision_log_pairs_each_routed_request_with_its_measured_ttft(tmp_p
 def test_a_samples_deltas_in_any_order_reach_the_caller_in_its_order(case):
     """Whatever order a sample's deltas come in (repeats too), the queue gets each delta once, in
     position order; ends decided outside the engine (position -1) go at once."""
-    from cluster.front.streams import Stream as _Stream
+    from baton_serve.cluster.front.streams import Stream as _Stream
 
     k, order, repeats = case
     stream = _Stream(asyncio.Queue(), 1, set(), "w")
@@ -295,8 +294,7 @@ def test_a_prefill_worker_lost_before_its_first_token_came_fails_the_stream_over
     caller): the request is placed again, here on nobody, so it ends with a clear error instead
     of waiting forever or streaming a sample without its first token."""
     import pytest
-
-    from workers.errors import WorkerLostError
+    from baton_serve.workers.errors import WorkerLostError
 
     decode = ScriptedWorker(lambda *a: [])
     pool, _ = _pool(_handoff(decode, [12, 13]), decode, poll=_DeadPoll, migration_wait_s=0.5)

@@ -10,12 +10,11 @@ import signal
 import time
 
 import pytest
-
-from cluster.config import ClusterConfig
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from router.routing import make_policy
-from workers import LLM, SamplingParams
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.router.routing import make_policy
+from baton_serve.workers import LLM, SamplingParams
 
 NUM_BLOCKS = 64
 
@@ -142,7 +141,7 @@ def test_a_grammar_survives_the_hop(disagg, tiny_model_dir):
     engine, greedy and seeded, and the text matches."""
     import re
 
-    from workers.sampling.structured import StructuredSpec
+    from baton_serve.workers.sampling.structured import StructuredSpec
 
     llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
     prompt = llm.tokenizer.encode("Hello world")
@@ -230,7 +229,7 @@ def test_a_front_that_goes_away_without_aborting_frees_its_requests(disagg, tiny
 def test_a_request_id_is_refused_twice_at_once_and_reusable_right_after_an_abort(disagg, tiny_model_dir):
     """Each attempt reaches the workers under its own id: the abort of the first (which may land
     late) and the workers' memory of aborted ids never touch a second request that reuses the id."""
-    from workers.errors import InvalidRequestError
+    from baton_serve.workers.errors import InvalidRequestError
 
     llm = LLM(model=str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=NUM_BLOCKS)
     prompt = llm.tokenizer.encode("Hello world")
@@ -279,8 +278,7 @@ def test_decode_worker_death_fails_streams_cleanly(ray_session, tiny_model_dir, 
     """Kill the decode actor mid-stream with migration off: the stream errors out, the prefill
     worker keeps no KV, and new requests are refused (no live decode worker) instead of hanging."""
     import ray
-
-    from workers.errors import OverloadedError, WorkerLostError
+    from baton_serve.workers.errors import OverloadedError, WorkerLostError
 
     cluster = Cluster(_config(tiny_model_dir, SHARE, transport, prefill=1, decode=1))
     cluster.start()
@@ -319,8 +317,7 @@ def test_prefill_worker_death_spares_streams_already_decoding(ray_session, tiny_
     exactly as the offline engine's (the front dropped the prefill worker from them at the
     handoff), and new requests are refused rather than hang."""
     import ray
-
-    from workers.errors import OverloadedError
+    from baton_serve.workers.errors import OverloadedError
 
     cluster = Cluster(_config(tiny_model_dir, SHARE, "auto", prefill=1, decode=1))
     cluster.start()

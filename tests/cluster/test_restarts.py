@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from baton_serve.cluster.restarts import RestartHistory, RestartPolicy
 from hypothesis import given
 from hypothesis import strategies as st
-
-from cluster.restarts import RestartHistory, RestartPolicy
 
 
 def test_backoff_doubles_and_is_capped():

@@ -9,12 +9,11 @@ import asyncio
 import time
 
 import pytest
-
-from cluster.config import ClusterConfig
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from router.routing import make_policy
-from workers import LLM, SamplingParams
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.router.routing import make_policy
+from baton_serve.workers import LLM, SamplingParams
 
 NUM_BLOCKS = 96
 

@@ -9,13 +9,12 @@ import random
 import time
 
 import pytest
-
-from cluster.config import ClusterConfig
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from cluster.metrics import Metrics
-from router.routing import Candidates, Decision, RouteRequest, RoutingPolicy, make_policy
-from workers import SamplingParams
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.cluster.metrics import Metrics
+from baton_serve.router.routing import Candidates, Decision, RouteRequest, RoutingPolicy, make_policy
+from baton_serve.workers import SamplingParams
 
 BS = 8
 NUM_BLOCKS = 96
@@ -151,8 +150,8 @@ def test_a_short_tail_is_prefilled_on_the_decode_worker_that_holds_its_prefix(fo
     """Conditional disaggregation on real workers: with shipping made expensive, a prompt goes to a
     decode worker alone, runs there like a colocated one (same greedy tokens as the offline
     engine), and the next turn on the same system prompt hits that worker's cache."""
-    from router.routing.rates import LinearCost
-    from workers import LLM
+    from baton_serve.router.routing.rates import LinearCost
+    from baton_serve.workers import LLM
 
     cluster = four_workers
     if cluster.config.colocated:

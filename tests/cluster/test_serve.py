@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.serve import Deployment
 
-from cluster.config import ClusterConfig
-from cluster.serve import Deployment
 from tests.cluster.conftest import serving
 
 
@@ -24,7 +24,7 @@ def _config(model_dir, **pools) -> ClusterConfig:
 
 @pytest.fixture(scope="module")
 def servers(ray_session, tiny_model_dir):
-    from router.server import ServerThread
+    from baton_serve.router.server import ServerThread
 
     deployments = {}
     threads = {}
@@ -136,7 +136,7 @@ def test_baton_serve_command_starts_and_stops_cleanly(tiny_model_dir, tmp_path):
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
+        [sys.executable, "-m", "baton_serve.cluster.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
          "--port", str(port), "--prefill", "1", "--decode", "1", "--served-model-name", "tiny"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     with serving(proc) as lines:
@@ -156,9 +156,9 @@ def test_two_front_actors_share_one_port(ray_session, tiny_model_dir):
     """HTTP fronts are Ray actors; two of them bind one port and both serve the same pools."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
-    from router.server import bind_socket
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.router.server import bind_socket
 
     probe = bind_socket("127.0.0.1", 0)
     port = probe.getsockname()[1]

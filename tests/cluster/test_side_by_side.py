@@ -116,7 +116,7 @@ def test_static_batch_of_uneven_prompts_matches_single_runs(hf_ref):
 
 def test_server_process_waits_for_models_and_stops_its_group(tmp_path):
     port = _free_port()
-    spec = SystemSpec("fake", [sys.executable, "-m", "cluster.bench.fakeserver", "--port", str(port),
+    spec = SystemSpec("fake", [sys.executable, "-m", "baton_serve.cluster.bench.fakeserver", "--port", str(port),
                                "--ttft-ms", "5", "--itl-ms", "2"])
     with ServerProcess(spec, port, tmp_path / "fake.log", drain_s=5) as server:
         assert server.wait_ready(30) < 30
@@ -213,6 +213,6 @@ def test_baton_gets_the_kv_budget_vllm_gets():
         argv = build_specs(args, "/m", 8123, name).argv
         assert argv[argv.index("--kv-cache-memory-gib") + 1] == "3"
     # and the flag is one baton serve takes
-    from cluster.cli import build_parser
+    from baton_serve.cluster.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--kv-cache-memory-gib", "3"]).kv_cache_memory_gib == 3.0

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
-from cluster.cli import main
-from cluster.status_view import fetch_status, format_status
-from router.api import build_app
-from router.server import ServerThread
-from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import EngineConfig
-from workers.llm import build_engine
+from baton_serve.cluster.cli import main
+from baton_serve.cluster.status_view import fetch_status, format_status
+from baton_serve.router.api import build_app
+from baton_serve.router.server import ServerThread
+from baton_serve.workers.engine.async_engine import AsyncEngine
+from baton_serve.workers.engine.config import EngineConfig
+from baton_serve.workers.llm import build_engine
 
 ADMIN = "sk-admin"
 

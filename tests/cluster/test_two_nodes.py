@@ -77,7 +77,7 @@ def _metric(text: str, name: str, role: str) -> float:
 
 
 def test_prefill_on_node_a_decode_on_node_b_over_gloo(lab, tiny_model_dir, tmp_path):
-    from workers import LLM, SamplingParams
+    from baton_serve.workers import LLM, SamplingParams
 
     config = tmp_path / "two-nodes.toml"
     config.write_text(textwrap.dedent(f"""

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from cluster.config import ClusterConfig
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from workers import LLM, SamplingParams
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.workers import LLM, SamplingParams
 
 NUM_BLOCKS = 64
 PROMPTS = ["Hello world", "The sky is", "One two three", "Paris is the capital of"]
@@ -31,7 +31,7 @@ def config(model_dir, **pools) -> ClusterConfig:
 
 def free_port() -> int:
     """A loopback port nobody holds now, for a deployment's HTTP fronts."""
-    from router.server import bind_socket
+    from baton_serve.router.server import bind_socket
 
     probe = bind_socket("127.0.0.1", 0)
     try:

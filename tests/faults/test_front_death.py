@@ -8,16 +8,15 @@ import threading
 import time
 
 import httpx
+from baton_serve.cluster.config import ClusterConfig
 
-from cluster.config import ClusterConfig
 from tests.faults.scenario import NUM_BLOCKS, alive_idle, free_port
 
 
 def test_killed_front_other_front_keeps_serving(ray_session, tiny_model_dir, tmp_path):
     import ray
-
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
 
     config = ClusterConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS,

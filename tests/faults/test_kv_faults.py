@@ -11,10 +11,10 @@ import signal
 import time
 
 import pytest
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.router.routing import make_policy
 
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from router.routing import make_policy
 from tests.faults.scenario import PARAMS, alive_idle, collect, config
 
 

@@ -9,8 +9,8 @@ import statistics
 import time
 
 import httpx
+from baton_serve.cluster.config import ClusterConfig
 
-from cluster.config import ClusterConfig
 from tests.faults.scenario import alive_idle, free_port
 
 NUM_BLOCKS = 256  # room for every slot's whole request: the limit is compute, not KV
@@ -69,8 +69,8 @@ async def _open_loop(client: httpx.AsyncClient, url: str, rate: float, seconds: 
 
 
 def test_three_times_overload_then_back_to_baseline(ray_session, tiny_model_dir):
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
 
     config = ClusterConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "dtype": "float32", "block_size": 8, "num_kv_blocks": NUM_BLOCKS,

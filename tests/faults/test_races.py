@@ -8,10 +8,11 @@ import contextlib
 import random
 import time
 
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.workers import SamplingParams
+
 from tests.faults.scenario import alive_idle, collect, config
-from workers import SamplingParams
 
 RACES = int(__import__("os").environ.get("BATON_RACES", "1000"))
 

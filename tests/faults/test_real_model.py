@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from baton_serve.cluster.config import ClusterConfig
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.router.routing import make_policy
+from baton_serve.workers import LLM, SamplingParams
 
-from cluster.config import ClusterConfig
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from router.routing import make_policy
 from tests.faults.test_worker_death import _batch_with_kill, _busiest
-from workers import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of", "A haiku about autumn:"]
 

@@ -10,8 +10,8 @@ import signal
 import threading
 
 import httpx
+from baton_serve.cluster.config import ClusterConfig
 
-from cluster.config import ClusterConfig
 from tests.faults.scenario import NUM_BLOCKS, alive_idle, free_port
 
 MAX_TOKENS = 48
@@ -49,10 +49,9 @@ def _sse(url: str, body: dict, got: dict, key: int, reached: threading.Semaphore
 
 def test_decode_killed_mid_sse_stream_usage_counted_once(ray_session, tiny_model_dir, tmp_path):
     import ray
-
-    from cluster.http_actor import start_fronts, stop_fronts
-    from cluster.launcher import Cluster
-    from cluster.usage.sqlite_store import SQLiteUsageStore
+    from baton_serve.cluster.http_actor import start_fronts, stop_fronts
+    from baton_serve.cluster.launcher import Cluster
+    from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
 
     usage_path = tmp_path / "usage.sqlite3"
     config = ClusterConfig.model_validate({

@@ -15,13 +15,13 @@ import signal
 import time
 
 import pytest
+from baton_serve.cluster.front import PoolClient
+from baton_serve.cluster.launcher import Cluster
+from baton_serve.router.routing import make_policy
+from baton_serve.workers import SamplingParams
+from baton_serve.workers.errors import WorkerLostError
 
-from cluster.front import PoolClient
-from cluster.launcher import Cluster
-from router.routing import make_policy
 from tests.faults.scenario import PARAMS, alive_idle, collect, config
-from workers import SamplingParams
-from workers.errors import WorkerLostError
 
 held: list[int] = []  # how many streams the last kill's victim held when it died
 
@@ -183,7 +183,7 @@ def test_migrations_run_out_with_a_clear_error_and_nothing_held(ray_session, tin
 def test_sole_worker_killed_is_restarted_and_its_streams_finish(ray_session, tiny_model_dir, reference, pools, role):
     """No other worker of the role: the controller starts a new one under the same id, the front
     adopts it, and the streams waiting to migrate finish on it exactly as undisturbed."""
-    from cluster.metrics import Metrics
+    from baton_serve.cluster.metrics import Metrics
 
     prompts, want = reference
     kill_after = random.Random(f"restart-{role}-2026").randint(2, 20)

@@ -274,7 +274,7 @@ def triton_ops() -> ModuleType:
         import triton  # noqa: F401
     except ImportError as exc:  # the only reason to skip: the package is absent
         pytest.skip(f"triton cannot be imported ({exc}); Triton kernel tests need it")
-    from kernels import triton_ops as ops
+    from baton_serve.kernels import triton_ops as ops
 
     return ops
 
@@ -298,7 +298,7 @@ def kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     """Runs the test against the kernels built for one ``-march`` target; returns (target, ISA the
     build uses). Skips a target this CPU cannot run, or one that compiles to the same ISA as the
     native build (already covered by the ``native`` case)."""
-    from kernels import cpu_ops
+    from baton_serve.kernels import cpu_ops
 
     target = request.param
     try:

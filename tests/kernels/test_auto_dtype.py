@@ -7,8 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-
-from kernels import auto_dtype, capabilities
+from baton_serve.kernels import auto_dtype, capabilities
 
 
 @pytest.fixture

@@ -4,9 +4,8 @@ kind the project meets writes it."""
 from __future__ import annotations
 
 import pytest
-
-from kernels import capabilities
-from kernels.capabilities import CpuInfo
+from baton_serve.kernels import capabilities
+from baton_serve.kernels.capabilities import CpuInfo
 
 _V3 = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe"
 ZEN3 = f"model name\t: AMD EPYC 7B13\nflags\t\t: {_V3} vaes vpclmulqdq\n"

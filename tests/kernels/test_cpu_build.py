@@ -8,8 +8,7 @@ import platform
 import shutil
 
 import pytest
-
-from kernels import capabilities, cpu_build, cpu_ops
+from baton_serve.kernels import capabilities, cpu_build, cpu_ops
 
 x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the targets below are x86-64 levels")
 

@@ -15,9 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from kernels import backend, cpu_ops
-from kernels import reference as ref
+from baton_serve.kernels import backend, cpu_ops
+from baton_serve.kernels import reference as ref
 
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
         "silu_and_mul", "write_kv_cache", "argmax_rows")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import device as device_mod
-from kernels.device import DeviceUnavailableError, check_device_name, kv_cache_bytes, resolve_device
+from baton_serve.kernels import device as device_mod
+from baton_serve.kernels.device import (
+    DeviceUnavailableError,
+    check_device_name,
+    kv_cache_bytes,
+    resolve_device,
+)
 
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:

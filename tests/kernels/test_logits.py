@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import cpu_ops
-from kernels.logits import upcast_with_candidates, upcast_with_candidates_torch
+from baton_serve.kernels import cpu_ops
+from baton_serve.kernels.logits import upcast_with_candidates, upcast_with_candidates_torch
 
 native = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the native kernels")
 pytestmark = pytest.mark.usefixtures("kernel_target")  # every build this CPU runs (see conftest)

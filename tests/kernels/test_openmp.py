@@ -10,15 +10,14 @@ import threading
 
 import pytest
 import torch
-
-from kernels import openmp
+from baton_serve.kernels import openmp
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not torch.backends.openmp.is_available(),
                                 reason="needs Linux /proc and torch built with OpenMP")
 
 _SCRIPT = textwrap.dedent("""
     import os, sys, threading, torch
-    from kernels import openmp
+    from baton_serve.kernels import openmp
     torch.set_num_threads(2)
     serial = sys.argv[1] == "serial"
     out = {}
@@ -75,7 +74,7 @@ def test_serial_here_is_per_thread_in_this_process():
 
 _RELEASE = textwrap.dedent("""
     import os, time, torch
-    from kernels import openmp
+    from baton_serve.kernels import openmp
     torch.set_num_threads(2)
     def threads():
         return len(os.listdir("/proc/self/task"))

@@ -8,9 +8,8 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import packed_linear
-from workers.model.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
+from baton_serve.kernels import packed_linear
+from baton_serve.workers.model.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
 
 needs_packing = pytest.mark.skipif(packed_linear.pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is None,
                                    reason="this CPU/torch has no oneDNN bf16 linear")
@@ -163,8 +162,9 @@ def test_packing_can_keep_the_plain_weight():
 @needs_fp32_packing
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_loaded_model_keeps_only_the_weights_it_reads(tmp_path, tie):
+    from baton_serve.workers.model.loader import load_model
+
     from tests.tiny_model import write_tiny_llama
-    from workers.model.loader import load_model
 
     model = load_model(write_tiny_llama(tmp_path, tie=tie))
     layer = model.layers[0]

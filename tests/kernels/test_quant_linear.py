@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baton_serve.kernels import cpu_ops
+from baton_serve.kernels import quant_linear as ql
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kernels import cpu_ops
-from kernels import quant_linear as ql
 
 pytestmark = pytest.mark.usefixtures("kernel_target")
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baton_serve.kernels import reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kernels import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -7,8 +7,7 @@ import inspect
 
 import pytest
 import torch
-
-from kernels import backend, reference
+from baton_serve.kernels import backend, reference
 
 PUBLIC = sorted(
     name for name, fn in vars(reference).items()
@@ -43,8 +42,8 @@ def test_backend_dispatches_to_triton_when_forced(triton_ops, kt, device, monkey
 
 def test_cpu_tensors_need_the_interpreter(triton_ops) -> None:
     """A compiled (non-interpreted) kernel given a host tensor fails with a clear message."""
-    from kernels.triton_common import check_device, is_interpreted
-    from kernels.triton_norm import _rms_norm_kernel
+    from baton_serve.kernels.triton_common import check_device, is_interpreted
+    from baton_serve.kernels.triton_norm import _rms_norm_kernel
 
     if not torch.cuda.is_available():
         assert is_interpreted(_rms_norm_kernel), "conftest must enable TRITON_INTERPRET before import"

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import reference as ref
+from baton_serve.kernels import reference as ref
 
 
 def _decode_args(b) -> tuple:
@@ -30,7 +29,7 @@ def test_decode(triton_ops, kt, device, decode_case, num_splits: int) -> None:
 
 def test_decode_auto_split_long_context(triton_ops, kt, device) -> None:
     """One sequence, one kv head, long context: the heuristic must pick split-K on its own."""
-    from kernels.triton_decode import _auto_splits
+    from baton_serve.kernels.triton_decode import _auto_splits
 
     b = kt.make_paged_batch(7, [1100], [1], 3, 1, 16, 32, torch.float32).to(device)
     assert _auto_splits(b.query, 1, b.block_tables.shape[1] * 32) > 1

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import reference as ref
+from baton_serve.kernels import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

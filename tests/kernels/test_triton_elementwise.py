@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import reference as ref
+from baton_serve.kernels import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]

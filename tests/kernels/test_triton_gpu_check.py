@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kernels import backend
+from baton_serve.kernels import backend
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 

@@ -8,16 +8,15 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from baton_serve.router.api import build_app
+from baton_serve.router.server import ServerThread
+from baton_serve.workers.engine.async_engine import AsyncEngine, EngineStats
+from baton_serve.workers.engine.config import EngineConfig
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.llm import build_engine
+from baton_serve.workers.text.tokenizer import Tokenizer
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
-
-from router.api import build_app
-from router.server import ServerThread
-from workers.engine.async_engine import AsyncEngine, EngineStats
-from workers.engine.config import EngineConfig
-from workers.engine.core import EngineCore
-from workers.llm import build_engine
-from workers.text.tokenizer import Tokenizer
 
 MODEL = "tiny-llama"
 NUM_BLOCKS = 128

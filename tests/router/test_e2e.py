@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import openai
 import pytest
+from baton_serve.router.api import build_app
+from baton_serve.router.server import ServerThread
+from baton_serve.workers.engine.async_engine import AsyncEngine
+from baton_serve.workers.engine.config import EngineConfig
+from baton_serve.workers.llm import build_engine
 
-from router.api import build_app
-from router.server import ServerThread
 from tests.router.conftest import wait_idle
-from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import EngineConfig
-from workers.llm import build_engine
 
 NUM_BLOCKS = 256
 

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
+from baton_serve.router.protocol import ChatCompletionResponse, CompletionResponse, ErrorResponse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from router.protocol import ChatCompletionResponse, CompletionResponse, ErrorResponse
 from tests.router.conftest import MODEL, wait_idle
 
 MAX_TOKENS, MAX_N = 4, 2

@@ -6,15 +6,14 @@ import asyncio
 import contextlib
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from router.idempotency import (
+from baton_serve.router.idempotency import (
     IdempotencyConflict,
     IdempotencyStore,
     IdempotencyStoreFull,
     RecordedResponse,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 FP = IdempotencyStore.fingerprint(b'{"prompt": "hi"}', "/v1/completions")
 SSE = "text/event-stream"

@@ -7,14 +7,13 @@ the index answers every longest-prefix query exactly as the worker's ``find_cach
 
 from __future__ import annotations
 
+from baton_serve.router.prefix_index import PrefixIndex
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace, block_hashes
+from baton_serve.workers.kv.event_log import KVEventLog
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
-
-from router.prefix_index import PrefixIndex
-from workers.blocks.manager import BlockManager
-from workers.blocks.prefix_hash import CacheNamespace, block_hashes
-from workers.kv.event_log import KVEventLog
 
 BS = 2
 NS = CacheNamespace(model="m", weights_hash="w", block_size=BS)

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-
-from router.errors import APIError, to_api_error, validation_error
-from router.protocol import (
+from baton_serve.router.errors import APIError, to_api_error, validation_error
+from baton_serve.router.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,
     DeltaMessage,
 )
-from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError, OverloadedError
+from baton_serve.workers.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    OutOfBlocksError,
+    OverloadedError,
+)
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -6,14 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from baton_serve.router.stream import Choices, EngineJob, EngineRun, LogprobFormatter
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.text.tokenizer import Tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from router.stream import Choices, EngineJob, EngineRun, LogprobFormatter
-from workers.engine.outputs import TokenDelta
-from workers.errors import InvalidRequestError
-from workers.sampling.params import SamplingParams
-from workers.text.tokenizer import Tokenizer
 
 
 class _EndlessClient:

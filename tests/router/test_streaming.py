@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
+from baton_serve.router.api import build_app
+from baton_serve.router.server import ServerThread
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.errors import InvalidRequestError, OverloadedError
+from baton_serve.workers.sampling.params import SamplingParams
 
-from router.api import build_app
-from router.server import ServerThread
 from tests.router.conftest import MODEL, NUM_BLOCKS, wait_idle
-from workers.engine.outputs import TokenDelta
-from workers.errors import InvalidRequestError, OverloadedError
-from workers.sampling.params import SamplingParams
 
 
 def test_disconnect_aborts_the_request_and_frees_blocks(backend):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 
+from baton_serve.router import tools
+from baton_serve.router.tool_stream import ToolCallStreamer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from router import tools
-from router.tool_stream import ToolCallStreamer
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,

@@ -9,9 +9,8 @@ from dataclasses import asdict, fields
 from typing import Any
 
 import msgpack
-
-from workers.engine.outputs import TokenDelta
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.sampling.params import SamplingParams
 
 _DELTA_FIELDS = [f.name for f in fields(TokenDelta)]
 

@@ -25,19 +25,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-
-from kernels import capabilities, openmp
-from workers.actor.core_share import CoreShare
-from workers.actor.faults import FaultPoints
-from workers.actor.messages import encode_deltas, params_from_dict
-from workers.actor.output_stream import FrontConnection, OutputServer
-from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import engine_config
-from workers.engine.model_runner import kv_cache_block_bytes
-from workers.engine.outputs import TokenDelta
-from workers.engine.request import SampleResume
-from workers.errors import BatonError
-from workers.kv.connector import (
+from baton_serve.kernels import capabilities, openmp
+from baton_serve.workers.actor.core_share import CoreShare
+from baton_serve.workers.actor.faults import FaultPoints
+from baton_serve.workers.actor.messages import encode_deltas, params_from_dict
+from baton_serve.workers.actor.output_stream import FrontConnection, OutputServer
+from baton_serve.workers.engine.async_engine import AsyncEngine
+from baton_serve.workers.engine.config import engine_config
+from baton_serve.workers.engine.model_runner import kv_cache_block_bytes
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.request import SampleResume
+from baton_serve.workers.errors import BatonError
+from baton_serve.workers.kv.connector import (
     KVConnector,
     KVShipment,
     connector_class,
@@ -45,13 +44,13 @@ from workers.kv.connector import (
     connector_order,
     make_connector,
 )
-from workers.kv.event_log import KVEventBatch
-from workers.kv.integrity import block_crcs
-from workers.kv.migration import MigrationMeta
-from workers.kv.shared import can_share
-from workers.kv.transfer import KVTransferEngine, KVTransferError
-from workers.llm import build_engine
-from workers.node import node_address, node_id
+from baton_serve.workers.kv.event_log import KVEventBatch
+from baton_serve.workers.kv.integrity import block_crcs
+from baton_serve.workers.kv.migration import MigrationMeta
+from baton_serve.workers.kv.shared import can_share
+from baton_serve.workers.kv.transfer import KVTransferEngine, KVTransferError
+from baton_serve.workers.llm import build_engine
+from baton_serve.workers.node import node_address, node_id
 
 log = logging.getLogger("baton.worker")
 ROLES = ("prefill", "decode", "colocated")

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from workers.blocks.pool import BlockPool, CacheEntry
-from workers.blocks.prefix_hash import CacheNamespace, block_hashes
-from workers.errors import KVCacheError
-from workers.kv.events import KVEvent
+from baton_serve.workers.blocks.pool import BlockPool, CacheEntry
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace, block_hashes
+from baton_serve.workers.errors import KVCacheError
+from baton_serve.workers.kv.events import KVEvent
 
 
 @dataclass(slots=True)

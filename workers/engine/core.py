@@ -12,24 +12,23 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-
-from workers.blocks.manager import BlockManager
-from workers.blocks.prefix_hash import CacheNamespace
-from workers.engine.config import EngineConfig
-from workers.engine.latency_log import LatencyLog
-from workers.engine.model_runner import ModelRunner, kv_cache_block_bytes, sampling_requests
-from workers.engine.outputs import TokenDelta
-from workers.engine.request import Request, RequestGroup, RequestStatus, SampleResume
-from workers.engine.scheduler import Scheduler, SchedulerOutput
-from workers.engine.structured import StructuredOutputs
-from workers.engine.swap import HostBlockPool
-from workers.engine.validation import RequestLimits
-from workers.errors import InvalidRequestError
-from workers.kv.event_log import KVEventLog
-from workers.kv.migration import KVMigration, MigrationMeta
-from workers.model.llama import LlamaForCausalLM
-from workers.sampling.params import SamplingParams
-from workers.sampling.sampler import Sampler, SamplingRow
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.workers.engine.config import EngineConfig
+from baton_serve.workers.engine.latency_log import LatencyLog
+from baton_serve.workers.engine.model_runner import ModelRunner, kv_cache_block_bytes, sampling_requests
+from baton_serve.workers.engine.outputs import TokenDelta
+from baton_serve.workers.engine.request import Request, RequestGroup, RequestStatus, SampleResume
+from baton_serve.workers.engine.scheduler import Scheduler, SchedulerOutput
+from baton_serve.workers.engine.structured import StructuredOutputs
+from baton_serve.workers.engine.swap import HostBlockPool
+from baton_serve.workers.engine.validation import RequestLimits
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.kv.event_log import KVEventLog
+from baton_serve.workers.kv.migration import KVMigration, MigrationMeta
+from baton_serve.workers.model.llama import LlamaForCausalLM
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.sampling.sampler import Sampler, SamplingRow
 
 
 class EngineCore:

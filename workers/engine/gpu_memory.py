@@ -12,13 +12,12 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-from kernels.device import kv_cache_bytes
-from workers.engine.config import EngineConfig
-from workers.engine.core import EngineCore
-from workers.engine.model_runner import kv_cache_block_bytes
-from workers.model.llama import LlamaForCausalLM
-from workers.sampling.params import SamplingParams
+from baton_serve.kernels.device import kv_cache_bytes
+from baton_serve.workers.engine.config import EngineConfig
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.model_runner import kv_cache_block_bytes
+from baton_serve.workers.model.llama import LlamaForCausalLM
+from baton_serve.workers.sampling.params import SamplingParams
 
 log = logging.getLogger("baton.engine")
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from kernels import backend
-from workers.engine.scheduler import ScheduledRequest, SchedulerOutput
-from workers.kv.layout import allocate_kv
-from workers.kv.shared import KVExport, allocate_shared
-from workers.model.attention import AttentionMetadata
-from workers.model.llama import KVCache, LlamaForCausalLM
+from baton_serve.kernels import backend
+from baton_serve.workers.engine.scheduler import ScheduledRequest, SchedulerOutput
+from baton_serve.workers.kv.layout import allocate_kv
+from baton_serve.workers.kv.shared import KVExport, allocate_shared
+from baton_serve.workers.model.attention import AttentionMetadata
+from baton_serve.workers.model.llama import KVCache, LlamaForCausalLM
 
 
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:

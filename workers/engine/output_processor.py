@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from workers.engine.outputs import CompletionOutput, RequestOutput, TokenDelta
-from workers.sampling.params import SamplingParams
-from workers.text.detokenizer import IncrementalDetokenizer
-from workers.text.stop_strings import StopStringMatcher
-from workers.text.tokenizer import Tokenizer
+from baton_serve.workers.engine.outputs import CompletionOutput, RequestOutput, TokenDelta
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.text.detokenizer import IncrementalDetokenizer
+from baton_serve.workers.text.stop_strings import StopStringMatcher
+from baton_serve.workers.text.tokenizer import Tokenizer
 
 
 @dataclass

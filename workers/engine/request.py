@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from workers.errors import InvalidRequestError
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.errors import KVCacheError
+from baton_serve.workers.errors import KVCacheError
 
 
 class ReservationLedger:

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.blocks.manager import BlockManager
-from workers.engine.config import SchedulerConfig
-from workers.engine.request import Request, RequestStatus
-from workers.engine.swap import HostBlockPool
-from workers.engine.waiting_queue import WaitingQueue, make_waiting_queue
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.engine.config import SchedulerConfig
+from baton_serve.workers.engine.request import Request, RequestStatus
+from baton_serve.workers.engine.swap import HostBlockPool
+from baton_serve.workers.engine.waiting_queue import WaitingQueue, make_waiting_queue
 
 
 @dataclass

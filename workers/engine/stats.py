@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.config import SchedulerConfig
-from workers.engine.core import EngineCore
+from baton_serve.workers.engine.config import SchedulerConfig
+from baton_serve.workers.engine.core import EngineCore
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from workers.errors import InvalidRequestError
-from workers.sampling.params import SamplingParams
-from workers.sampling.structured import (
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.sampling.structured import (
     DEFAULT_BACKEND,
     GrammarMatcher,
     StructuredSpec,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # annotations only: config.py imports POLICY_NAMES from here without torch
-    from workers.engine.request import Request
+    from baton_serve.workers.engine.request import Request
 
 
 class WaitingQueue(Protocol):

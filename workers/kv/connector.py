@@ -35,10 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from workers.errors import KVTransferError, OutOfBlocksError
-from workers.kv.integrity import corrupt_block, verify_blocks
-from workers.kv.migration import MigrationMeta
-from workers.registry import Registry
+from baton_serve.workers.errors import KVTransferError, OutOfBlocksError
+from baton_serve.workers.kv.integrity import corrupt_block, verify_blocks
+from baton_serve.workers.kv.migration import MigrationMeta
+from baton_serve.workers.registry import Registry
 
 # Tried in this order by transport "auto": the first that reaches the peer ships to it.
 AUTO_ORDER = ("shared_memory", "collective")
@@ -162,7 +162,7 @@ class KVConnector:
 
 def _load_builtin() -> None:
     # Importing registers them; here rather than at the top, as they import this module.
-    from workers.kv.connectors import collective, object_store, shared_memory  # noqa: F401
+    from baton_serve.workers.kv.connectors import collective, object_store, shared_memory  # noqa: F401
 
 
 _REGISTRY: Registry[type[KVConnector]] = Registry("KV connector", _load_builtin)

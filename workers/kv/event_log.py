@@ -17,7 +17,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from baton_serve.workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 

@@ -15,8 +15,7 @@ import zlib
 from collections.abc import Sequence
 
 import torch
-
-from workers.errors import KVTransferError
+from baton_serve.workers.errors import KVTransferError
 
 
 def block_crcs(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: Sequence[int],

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from workers.model.llama import KVCache
+from baton_serve.workers.model.llama import KVCache
 
 
 def allocate_kv(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,

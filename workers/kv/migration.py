@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
-
-from workers.blocks.manager import BlockManager
-from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import Scheduler
-from workers.engine.structured import StructuredOutputs
-from workers.errors import OutOfBlocksError
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.engine.request import Request, RequestStatus
+from baton_serve.workers.engine.scheduler import Scheduler
+from baton_serve.workers.engine.structured import StructuredOutputs
+from baton_serve.workers.errors import OutOfBlocksError
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 @dataclass

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from workers.errors import KVTransferError
+from baton_serve.workers.errors import KVTransferError
 
 
 class KVTransferRejected(KVTransferError):

@@ -23,11 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from workers.errors import KVTransferError
-from workers.kv.layout import split_layers
-from workers.model.llama import KVCache
-from workers.model.loader import parse_dtype
+from baton_serve.workers.errors import KVTransferError
+from baton_serve.workers.kv.layout import split_layers
+from baton_serve.workers.model.llama import KVCache
+from baton_serve.workers.model.loader import parse_dtype
 
 
 def machine_id() -> str:

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from kernels import backend
-from workers.errors import KVTransferError
-from workers.kv.layout import stacked
-from workers.kv.pair_group import (  # noqa: F401  (re-exported: the worker imports them from here)
+from baton_serve.kernels import backend
+from baton_serve.workers.errors import KVTransferError
+from baton_serve.workers.kv.layout import stacked
+from baton_serve.workers.kv.pair_group import (  # noqa: F401  (re-exported: the worker imports them from here)
     KVTransferRejected,
     PairGroup,
     PairRendezvous,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from baton_serve.kernels import backend
 from torch import nn
-
-from kernels import backend
 
 
 @dataclass

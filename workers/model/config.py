@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.errors import ModelLoadError
-from workers.model.quantization import QuantConfig
+from baton_serve.workers.errors import ModelLoadError
+from baton_serve.workers.model.quantization import QuantConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

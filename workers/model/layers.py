@@ -12,11 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from baton_serve.kernels import backend
+from baton_serve.kernels.reference import build_cos_sin_cache
+from baton_serve.workers.model.quantization import QuantConfig, linear_method
 from torch import nn
-
-from kernels import backend
-from kernels.reference import build_cos_sin_cache
-from workers.model.quantization import QuantConfig, linear_method
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,11 @@ K/V slots each token writes and what it attends to.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from kernels import backend, packed_linear
-from kernels.logits import upcast_with_candidates
-from workers.model.attention import AttentionMetadata, PagedAttention
-from workers.model.config import ModelConfig
-from workers.model.layers import (
+from baton_serve.kernels import backend, packed_linear
+from baton_serve.kernels.logits import upcast_with_candidates
+from baton_serve.workers.model.attention import AttentionMetadata, PagedAttention
+from baton_serve.workers.model.config import ModelConfig
+from baton_serve.workers.model.layers import (
     ColumnParallelLinear,
     ParallelContext,
     RMSNorm,
@@ -21,6 +19,7 @@ from workers.model.layers import (
     RowParallelLinear,
     default_weight_loader,
 )
+from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from baton_serve.workers.errors import ModelLoadError
+from baton_serve.workers.model.config import ModelConfig
+from baton_serve.workers.model.layers import ParallelContext, default_weight_loader
+from baton_serve.workers.model.llama import LlamaForCausalLM
 from safetensors import safe_open
-
-from workers.errors import ModelLoadError
-from workers.model.config import ModelConfig
-from workers.model.layers import ParallelContext, default_weight_loader
-from workers.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

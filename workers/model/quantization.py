@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from baton_serve.kernels import packed_linear, quant_linear
+from baton_serve.workers.errors import ModelLoadError
 from torch import nn
-
-from kernels import packed_linear, quant_linear
-from workers.errors import ModelLoadError
 
 QUANT_METHOD = "baton"  # quantization_config.quant_method of the checkpoints workers.checkpoint.quantize writes
 GROUP_SIZES = (32, 64, 128)

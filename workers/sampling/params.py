@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.errors import InvalidRequestError
+from baton_serve.workers.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 
@@ -101,7 +101,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "allowed_token_ids must not be empty")
         if self.structured_outputs is not None:
-            from workers.sampling.structured.spec import StructuredSpec
+            from baton_serve.workers.sampling.structured.spec import StructuredSpec
 
             StructuredSpec.from_dict(self.structured_outputs, param="structured_outputs")  # raises with the reason
 

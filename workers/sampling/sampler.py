@@ -24,9 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels import backend
-from workers.sampling.ops import (
+from baton_serve.kernels import backend
+from baton_serve.workers.sampling.ops import (
     NEG_INF,
     apply_min_p,
     apply_temperature,
@@ -38,8 +37,8 @@ from workers.sampling.ops import (
     token_mask,
     truncation_window,
 )
-from workers.sampling.params import SamplingParams
-from workers.sampling.structured.mask import apply_bitmask_
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.sampling.structured.mask import apply_bitmask_
 
 _CPU_CHUNK_ROWS = 32
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.text.tokenizer import Tokenizer
+from baton_serve.workers.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # Held tokens before looking for an earlier safe cut: a big chunk ending mid-character, or a

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from workers.errors import InvalidRequestError
+from baton_serve.workers.errors import InvalidRequestError
 
 
 @dataclass

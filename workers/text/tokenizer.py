@@ -12,9 +12,8 @@ from typing import Any
 
 import jinja2
 import tokenizers
+from baton_serve.workers.errors import InvalidRequestError, ModelLoadError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from workers.errors import InvalidRequestError, ModelLoadError
 
 
 @dataclass

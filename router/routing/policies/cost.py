@@ -35,8 +35,8 @@ import dataclasses
 import random
 from typing import Any
 
-from router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
-from router.routing.cost_model import CostModel
+from baton_serve.router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
+from baton_serve.router.routing.cost_model import CostModel
 
 _Option = tuple[float, float, Any, Any | None, float]  # (cost, ttft, first, decode, room penalty in cost)
 

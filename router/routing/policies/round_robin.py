@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
+from baton_serve.router.routing.base import Candidates, Decision, RouteRequest, RoutingPolicy, register_policy
 
 
 @register_policy

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from baton_serve.cluster.admission.buckets import TokenBucket
 from hypothesis import given
 from hypothesis import strategies as st
-
-from cluster.admission.buckets import TokenBucket
 
 
 class Clock:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from cluster.admission.gate import AdmissionError, IngressGate
-from cluster.admission.tenants import TenantDirectory, hash_key
-from cluster.usage.sqlite_store import SQLiteUsageStore
+from baton_serve.cluster.admission.gate import AdmissionError, IngressGate
+from baton_serve.cluster.admission.tenants import TenantDirectory, hash_key
+from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
 
 
 class Clock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.admission.idempotency_owners import IdempotencyOwners
-from router.idempotency import IdempotencyStore
+from baton_serve.cluster.admission.idempotency_owners import IdempotencyOwners
+from baton_serve.router.idempotency import IdempotencyStore
 
 
 def test_first_claim_owns_later_claims_are_told_the_owner_and_other_bodies_conflict():

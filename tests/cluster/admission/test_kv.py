@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from baton_serve.cluster.admission.gate import AdmissionError
+from baton_serve.cluster.admission.kv import KVAdmission, KVDemand, admission_policies, make_admission_policy
+from baton_serve.cluster.admission.tenants import Tenant
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cluster.admission.gate import AdmissionError
-from cluster.admission.kv import KVAdmission, KVDemand, admission_policies, make_admission_policy
-from cluster.admission.tenants import Tenant
 
 T = Tenant("t")
 

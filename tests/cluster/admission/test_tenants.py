@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from cluster.admission.tenants import (
+from baton_serve.cluster.admission.tenants import (
     ANONYMOUS,
     AuthenticationError,
     TenantDirectory,
@@ -98,7 +97,7 @@ def test_the_example_tenants_file_loads_and_its_keys_work():
 
 
 def test_keys_hash_cli_prints_the_digest(capsys):
-    from cluster.cli import main
+    from baton_serve.cluster.cli import main
 
     assert main(["keys", "hash", "sk-x"]) == 0
     assert capsys.readouterr().out.startswith(hash_key("sk-x") + "  # key-")

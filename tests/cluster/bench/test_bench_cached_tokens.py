@@ -8,13 +8,12 @@ import json
 
 import httpx
 import pytest
-
-from cluster.bench.client import CHAT, cached_tokens
-from cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
-from cluster.bench.metrics import RequestRecord, summarize
-from cluster.bench.report import markdown, result_json, write_json
-from cluster.bench.runner import BenchConfig, BenchResult, run
-from cluster.bench.workload import LengthDist, WorkloadConfig
+from baton_serve.cluster.bench.client import CHAT, cached_tokens
+from baton_serve.cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
+from baton_serve.cluster.bench.metrics import RequestRecord, summarize
+from baton_serve.cluster.bench.report import markdown, result_json, write_json
+from baton_serve.cluster.bench.runner import BenchConfig, BenchResult, run
+from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
 
 
 def _half_on_even(i: int, prompt_tokens: int) -> int | None:

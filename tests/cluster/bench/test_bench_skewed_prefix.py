@@ -8,12 +8,16 @@ import math
 from collections import Counter
 
 import pytest
+from baton_serve.cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
+from baton_serve.cluster.bench.workload import (
+    LengthDist,
+    WorkloadConfig,
+    WorkloadError,
+    shared_prefix_workload,
+)
+from baton_serve.cluster.cli import main
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
-from cluster.bench.workload import LengthDist, WorkloadConfig, WorkloadError, shared_prefix_workload
-from cluster.cli import main
 
 
 def _groups(n: int, num_prefixes: int, hot: float, seed: int = 0) -> list[int]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
-from cluster.bench.prompts import PromptFactory
-from cluster.bench.workload import LengthDist, shared_prefix_workload
-from cluster.cli import main
+from baton_serve.cluster.bench.fakeserver import FakeOpenAIServer, FakeServerConfig
+from baton_serve.cluster.bench.prompts import PromptFactory
+from baton_serve.cluster.bench.workload import LengthDist, shared_prefix_workload
+from baton_serve.cluster.cli import main
 
 
 def test_one_warm_up_per_prefix_shares_the_prefix_and_nothing_more(real_tok):

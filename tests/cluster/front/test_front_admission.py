@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.admission.kv import Reservation
-from cluster.admission.tenants import ANONYMOUS, Tenant
-from cluster.front.admission import grant, keeper, kv_demand, stale_route
-from cluster.front.workers import WorkerRef
-from router.routing import Decision
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.admission.kv import Reservation
+from baton_serve.cluster.admission.tenants import ANONYMOUS, Tenant
+from baton_serve.cluster.front.admission import grant, keeper, kv_demand, stale_route
+from baton_serve.cluster.front.workers import WorkerRef
+from baton_serve.router.routing import Decision
+from baton_serve.workers.sampling.params import SamplingParams
 
 
 @dataclass

@@ -6,17 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from cluster.front.routing import FrontRouter, output_budget
-from cluster.front.workers import CacheLayout, WorkerRef
-from router.prefix_index import PrefixIndex
-from router.routing import make_policy
-from workers.blocks.manager import BlockManager
-from workers.blocks.prefix_hash import CacheNamespace
-from workers.engine.validation import RequestLimits
-from workers.errors import OverloadedError
-from workers.kv.event_log import KVEventLog
-from workers.sampling.params import SamplingParams
+from baton_serve.cluster.front.routing import FrontRouter, output_budget
+from baton_serve.cluster.front.workers import CacheLayout, WorkerRef
+from baton_serve.router.prefix_index import PrefixIndex
+from baton_serve.router.routing import make_policy
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.workers.engine.validation import RequestLimits
+from baton_serve.workers.errors import OverloadedError
+from baton_serve.workers.kv.event_log import KVEventLog
+from baton_serve.workers.sampling.params import SamplingParams
 
 BS = 8
 NS = CacheNamespace(model="m", weights_hash="w", block_size=BS)

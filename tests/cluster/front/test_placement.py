@@ -3,13 +3,12 @@ order its first token, its samples' tokens and its end come in (the counts routi
 
 from __future__ import annotations
 
+from baton_serve.cluster.front.placement import Placement
+from baton_serve.cluster.front.workers import WorkerRef
+from baton_serve.router.routing import Decision
+from baton_serve.workers.engine.outputs import TokenDelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cluster.front.placement import Placement
-from cluster.front.workers import WorkerRef
-from router.routing import Decision
-from workers.engine.outputs import TokenDelta
 
 
 def _zero(*workers: WorkerRef) -> bool:

@@ -3,8 +3,8 @@ worker, where a migrated sample resumes, and ends that came twice."""
 
 from __future__ import annotations
 
-from cluster.front.streams import Stream
-from workers.engine.outputs import TokenDelta
+from baton_serve.cluster.front.streams import Stream
+from baton_serve.workers.engine.outputs import TokenDelta
 
 
 def _stream(n: int = 1) -> Stream:

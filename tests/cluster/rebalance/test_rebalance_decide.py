@@ -5,11 +5,17 @@ crosses, and the Dynamo 2 <-> 1 oscillation driven in a closed loop, settling.""
 from __future__ import annotations
 
 import pytest
+from baton_serve.cluster.rebalance.decide import ClusterView, RebalancePolicy, Rebalancer, WorkerView
+from baton_serve.cluster.rebalance.signals import (
+    PoolSignals,
+    RequestSample,
+    Signals,
+    SignalWindow,
+    Targets,
+    WorkerSample,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cluster.rebalance.decide import ClusterView, RebalancePolicy, Rebalancer, WorkerView
-from cluster.rebalance.signals import PoolSignals, RequestSample, Signals, SignalWindow, Targets, WorkerSample
 
 
 def _pool(role: str, workers: int, load: float, latency: float | None = None) -> PoolSignals:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from cluster.rebalance.signals import RequestSample, SignalWindow, Targets, WorkerSample, quantile
+from baton_serve.cluster.rebalance.signals import RequestSample, SignalWindow, Targets, WorkerSample, quantile
 
 ROLES = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
 

@@ -6,8 +6,7 @@ import copy
 import json
 
 import pytest
-
-from cluster.sim.profile import LatencyProfile, ProfileError
+from baton_serve.cluster.sim.profile import LatencyProfile, ProfileError
 
 
 def _data() -> dict:

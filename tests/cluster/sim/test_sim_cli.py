@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from baton_serve.cluster.cli import main
+from baton_serve.cluster.sim.against import load_measured, parse_layout
+from baton_serve.cluster.sim.profile import LatencyProfile
 
-from cluster.cli import main
-from cluster.sim.against import load_measured, parse_layout
-from cluster.sim.profile import LatencyProfile
 from tests.cluster.sim.test_simulate import profile_data
 
 WORKLOAD = ["--num-prompts", "16", "--request-rate", "6", "--random-input-len", "160", "--random-output-len", "12",
@@ -103,7 +103,7 @@ def test_plan_profile_measures_the_real_engine(tmp_path, tiny_model_dir):
     assert p.source == "measured" and p.model["dtype"] == "float32" and p.machine["threads"] == 1
     assert p.machine["cpu_model"] and p.machine["isa"] is not None
     assert set(p.kv_transfer) == {"shared_memory"}
-    from cluster.sim.profiler import QUICK
+    from baton_serve.cluster.sim.profiler import QUICK
 
     # the quick grid, every point measured (times themselves depend on the machine: not asserted)
     assert p.prefill.rows == QUICK["new_tokens"] and p.prefill.cols == QUICK["cached_tokens"]

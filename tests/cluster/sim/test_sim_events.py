@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-from cluster.bench.runner import BenchConfig
-from cluster.bench.workload import LengthDist, WorkloadConfig
-from cluster.sim.board import CoreBoard
-from cluster.sim.events import EventLoop
-from cluster.sim.requests import build_workload
+from baton_serve.cluster.bench.runner import BenchConfig
+from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
+from baton_serve.cluster.sim.board import CoreBoard
+from baton_serve.cluster.sim.events import EventLoop
+from baton_serve.cluster.sim.requests import build_workload
 
 
 def test_events_run_in_time_order_and_ties_in_the_order_scheduled():

@@ -9,13 +9,13 @@ import json
 import random
 
 import pytest
+from baton_serve.cluster.bench.plan import Layout
+from baton_serve.cluster.bench.runner import BenchConfig
+from baton_serve.cluster.bench.workload import WorkloadConfig
+from baton_serve.cluster.config import ConfigError, load_config
+from baton_serve.cluster.sim.profile import LatencyProfile
+from baton_serve.cluster.sim.run import SimHardware, simulate
 
-from cluster.bench.plan import Layout
-from cluster.bench.runner import BenchConfig
-from cluster.bench.workload import WorkloadConfig
-from cluster.config import ConfigError, load_config
-from cluster.sim.profile import LatencyProfile
-from cluster.sim.run import SimHardware, simulate
 from tests.cluster.sim.test_simulate import profile_data
 
 

@@ -9,15 +9,14 @@ import json
 import math
 
 import pytest
-
-from cluster.bench.metrics import SLO
-from cluster.bench.plan import Layout
-from cluster.bench.runner import BenchConfig
-from cluster.bench.workload import LengthDist, WorkloadConfig
-from cluster.config import load_config
-from cluster.sim.profile import LatencyProfile
-from cluster.sim.run import SimHardware, simulate
-from router.routing.policies.prefix import PrefixAffinity
+from baton_serve.cluster.bench.metrics import SLO
+from baton_serve.cluster.bench.plan import Layout
+from baton_serve.cluster.bench.runner import BenchConfig
+from baton_serve.cluster.bench.workload import LengthDist, WorkloadConfig
+from baton_serve.cluster.config import load_config
+from baton_serve.cluster.sim.profile import LatencyProfile
+from baton_serve.cluster.sim.run import SimHardware, simulate
+from baton_serve.router.routing.policies.prefix import PrefixAffinity
 
 # SmolLM2-135M's shapes in bf16 (30 layers x K,V x 3 kv heads x 64 x 16 tokens x 2 bytes), with
 # step times of the order a 2-core CPU gives: enough for the scheduler to batch and queue.
@@ -133,7 +132,7 @@ def test_the_cost_models_per_decision_memo_changes_no_decision(profile, monkeypa
     for each did: the same run either way, on a pool big enough to pool fits across mates."""
     import contextlib
 
-    from router.routing.cost_model import CostModel
+    from baton_serve.router.routing.cost_model import CostModel
 
     bench = _bench(SHARED, n=40, rate=30.0)
     hw = SimHardware(shared_cores=0, threads=2)

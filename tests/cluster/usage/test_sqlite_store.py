@@ -15,10 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from cluster.usage import (
+from baton_serve.cluster.usage import (
     COLUMNS,
     SQLiteUsageStore,
     UsageRecord,
@@ -27,6 +24,8 @@ from cluster.usage import (
     register_usage_store,
     usage_store_names,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _rec(request_id: str = "chatcmpl-1", **kw) -> UsageRecord:
@@ -125,7 +124,7 @@ def test_a_repeated_request_id_keeps_the_first_and_counts_a_duplicate(
     store: SQLiteUsageStore, caplog
 ) -> None:
     first = _rec("chatcmpl-x", completion_tokens=10)
-    with caplog.at_level(logging.WARNING, logger="cluster.usage.sqlite_store"):
+    with caplog.at_level(logging.WARNING, logger="baton_serve.cluster.usage.sqlite_store"):
         store.record(first)
         store.flush()
         store.record(_rec("chatcmpl-x", completion_tokens=99, finish_reason="abort"))

@@ -6,10 +6,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton_serve.router.routing import Candidates, RouteRequest, WorkerLoad, make_policy
+from baton_serve.router.routing.decision_log import DecisionLog
+from baton_serve.router.routing.rates import LinearCost
+
 from benchmarks import routing_decisions
-from router.routing import Candidates, RouteRequest, WorkerLoad, make_policy
-from router.routing.decision_log import DecisionLog
-from router.routing.rates import LinearCost
 
 BS = 16
 

@@ -6,11 +6,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-
-from router.prefix_index import PrefixIndex
-from router.routing import Candidates, RouteRequest, WorkerLoad, make_policy, policy_names
-from router.routing.cost_model import CostModel
-from router.routing.rates import LinearCost
+from baton_serve.router.prefix_index import PrefixIndex
+from baton_serve.router.routing import Candidates, RouteRequest, WorkerLoad, make_policy, policy_names
+from baton_serve.router.routing.cost_model import CostModel
+from baton_serve.router.routing.rates import LinearCost
 
 BS = 16
 BLOCK_BYTES = 2 * 30 * BS * 3 * 64 * 4  # SmolLM2-135M's KV per block in fp32
@@ -669,7 +668,7 @@ def _step_moments(seed: int, overhead: float, n: int = 40) -> list[float]:
     prompt token, 2 ms a decode and ``overhead`` a step."""
     import random
 
-    from router.routing.rates import MOMENTS
+    from baton_serve.router.routing.rates import MOMENTS
     rng = random.Random(seed)
     m = [0.0] * MOMENTS
     for _ in range(n):

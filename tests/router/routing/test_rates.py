@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from router.routing import WorkerLoad
-from router.routing.rates import MOMENTS, LinearCost, StepFit
+from baton_serve.router.routing import WorkerLoad
+from baton_serve.router.routing.rates import MOMENTS, LinearCost, StepFit
 
 
 def _feed(fit: LinearCost, intervals, fixed: float, per_unit: float) -> None:
@@ -155,7 +154,7 @@ def test_a_worker_load_prices_with_the_step_fit_where_it_has_one() -> None:
     assert load.fit("prefill") == (load.step.overhead, load.step.per_prefill_token)
     assert load.fit("decode") == (load.step.overhead, load.step.per_decode_seq)
     # the cost model prices with it where asked to (step_fit), else with the interval fits
-    from router.routing.cost_model import CostModel
+    from baton_serve.router.routing.cost_model import CostModel
 
     worker = type("W", (), {"load": load, "worker_id": "w", "role": "colocated"})()
     b, a = load.step.per_prefill_token, load.step.overhead

@@ -9,9 +9,15 @@ import threading
 import time
 
 import pytest
-
-from workers.actor import core_share
-from workers.actor.core_share import RUNNING, WAITING, CoreShare, bell_path, create_board, remove_board
+from baton_serve.workers.actor import core_share
+from baton_serve.workers.actor.core_share import (
+    RUNNING,
+    WAITING,
+    CoreShare,
+    bell_path,
+    create_board,
+    remove_board,
+)
 
 
 @pytest.fixture

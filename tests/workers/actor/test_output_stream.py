@@ -7,9 +7,8 @@ import threading
 import time
 
 import pytest
-
-from workers.actor import output_stream
-from workers.actor.output_stream import FRAME, OutputServer, frame, read_frame
+from baton_serve.workers.actor import output_stream
+from baton_serve.workers.actor.output_stream import FRAME, OutputServer, frame, read_frame
 
 
 class _Registry:

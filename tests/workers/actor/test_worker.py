@@ -7,12 +7,11 @@ import socket
 import time
 
 import pytest
-
-from workers import LLM, SamplingParams
-from workers.actor.messages import decode_deltas, params_to_dict
-from workers.actor.output_stream import frame, hello_payload, read_frame
-from workers.actor.worker import Worker
-from workers.errors import KVTransferError
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.actor.messages import decode_deltas, params_to_dict
+from baton_serve.workers.actor.output_stream import frame, hello_payload, read_frame
+from baton_serve.workers.actor.worker import Worker
+from baton_serve.workers.errors import KVTransferError
 
 NUM_BLOCKS = 64
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -185,8 +184,7 @@ def test_listeners_bind_the_address_ray_knows_the_node_by(monkeypatch):
     """Output stream and pair-group rendezvous bind the node's routable address, so that fronts and
     peers on other nodes reach them; loopback only outside Ray (or when Ray itself is on it)."""
     import ray
-
-    from workers.node import node_address
+    from baton_serve.workers.node import node_address
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.18.0.7")

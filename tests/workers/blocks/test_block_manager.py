@@ -7,14 +7,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace, block_hashes
+from baton_serve.workers.errors import KVCacheError
+from baton_serve.workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from workers.blocks.manager import BlockManager
-from workers.blocks.prefix_hash import CacheNamespace, block_hashes
-from workers.errors import KVCacheError
-from workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from workers.blocks.pool import BlockPool, CacheEntry
-from workers.errors import KVCacheError, OutOfBlocksError
-from workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from baton_serve.workers.blocks.pool import BlockPool, CacheEntry
+from baton_serve.workers.errors import KVCacheError, OutOfBlocksError
+from baton_serve.workers.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def h(i: int) -> bytes:

@@ -8,15 +8,14 @@ import subprocess
 import sys
 
 import pytest
-
-from workers.blocks.prefix_hash import HASH_BYTES, CacheNamespace, block_hashes, hash_block_tokens
+from baton_serve.workers.blocks.prefix_hash import HASH_BYTES, CacheNamespace, block_hashes, hash_block_tokens
 
 NS = CacheNamespace(model="m", weights_hash="w", block_size=4)
 
 
 def test_hash_is_stable_across_processes() -> None:
     code = (
-        "from workers.blocks.prefix_hash import CacheNamespace, block_hashes;"
+        "from baton_serve.workers.blocks.prefix_hash import CacheNamespace, block_hashes;"
         "r = CacheNamespace(model='m', weights_hash='w', block_size=4).root_hash('t');"
         "print(block_hashes(r, list(range(9)), 4)[-1].hex())"
     )

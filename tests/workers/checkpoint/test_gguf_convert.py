@@ -9,11 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
-
-from workers.checkpoint import default_model
-from workers.checkpoint.default_model import (
+from baton_serve.workers.checkpoint import default_model
+from baton_serve.workers.checkpoint.default_model import (
     DEFAULT_MODEL_NAME,
     cache_root,
     default_model_path,
@@ -21,8 +18,10 @@ from workers.checkpoint.default_model import (
     locate_default_gguf,
     resolve_model,
 )
-from workers.checkpoint.gguf_convert import convert_gguf
-from workers.errors import ModelLoadError
+from baton_serve.workers.checkpoint.gguf_convert import convert_gguf
+from baton_serve.workers.errors import ModelLoadError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 EXPECTED_FILES = {
     "config.json",

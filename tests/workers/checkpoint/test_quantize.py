@@ -7,17 +7,16 @@ import json
 
 import pytest
 import torch
+from baton_serve.kernels import quant_linear
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.checkpoint.quantize import quantize_folder
+from baton_serve.workers.errors import ModelLoadError
+from baton_serve.workers.llm import weights_fingerprint
+from baton_serve.workers.model.config import ModelConfig
+from baton_serve.workers.model.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
+from baton_serve.workers.model.quantization import QuantConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from kernels import quant_linear
-from workers import LLM, SamplingParams
-from workers.checkpoint.quantize import quantize_folder
-from workers.errors import ModelLoadError
-from workers.llm import weights_fingerprint
-from workers.model.config import ModelConfig
-from workers.model.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
-from workers.model.quantization import QuantConfig
 
 METHODS = [("int8", 0), ("int8", 32), ("int4", 32), ("int4", 64)]
 

@@ -6,11 +6,10 @@ import asyncio
 import threading
 
 import pytest
-
-from workers import LLM, SamplingParams
-from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import SchedulerConfig
-from workers.errors import InvalidRequestError
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.engine.async_engine import AsyncEngine
+from baton_serve.workers.engine.config import SchedulerConfig
+from baton_serve.workers.errors import InvalidRequestError
 
 NUM_BLOCKS = 64
 
@@ -126,8 +125,8 @@ def test_the_tenant_reaches_every_sample_of_the_request(async_engine, monkeypatc
 
 def test_a_factory_builds_the_engine_on_the_loop_thread(tiny_model_dir):
     """The Worker passes a factory so that model loading and every step share one thread."""
-    from workers.engine.config import EngineConfig
-    from workers.llm import build_engine
+    from baton_serve.workers.engine.config import EngineConfig
+    from baton_serve.workers.llm import build_engine
 
     built_on: list[str] = []
 
@@ -160,8 +159,8 @@ def test_a_failing_factory_raises_its_own_error():
 def test_a_loop_waiting_for_shared_cores_still_answers_commands(tiny_model_dir, tmp_path, monkeypatch):
     """While another worker holds the cores, the loop keeps handling its inbox (KV reservations,
     admissions, aborts): a command rings its bell. It steps once the cores are free."""
-    from workers.actor import core_share
-    from workers.actor.core_share import WAITING, CoreShare, create_board
+    from baton_serve.workers.actor import core_share
+    from baton_serve.workers.actor.core_share import WAITING, CoreShare, create_board
 
     monkeypatch.setattr(core_share, "_RECHECK_S", 60.0)  # only the bells can wake the loop
 
@@ -272,7 +271,7 @@ def test_a_loop_that_goes_idle_ends_its_team_once(tiny_model_dir):
 
 
 def test_the_prefill_chunk_reported_is_a_cap_below_the_step_s_budget_or_none():
-    from workers.engine.stats import _chunk
+    from baton_serve.workers.engine.stats import _chunk
 
     assert _chunk(SchedulerConfig(max_num_batched_tokens=1024, max_prefill_chunk=256)) == 256
     assert _chunk(SchedulerConfig(max_num_batched_tokens=1024, max_prefill_chunk=1024)) == 0

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from workers import LLM, SamplingParams
-from workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.errors import ContextLengthExceededError, InvalidRequestError, OutOfBlocksError
 
 NUM_BLOCKS = 96
 
@@ -219,7 +218,7 @@ def test_pause_keeps_kv_and_resume_continues_exactly(llm):
 def test_auto_dtype_resolves_once_for_the_whole_engine(tiny_model_dir) -> None:
     """``dtype="auto"`` (the default) becomes this machine's choice everywhere: the config the
     engine reports, the weights, the KV cache and the prefix-cache namespace."""
-    from kernels.auto_dtype import resolve_dtype
+    from baton_serve.kernels.auto_dtype import resolve_dtype
 
     want = resolve_dtype("auto").dtype
     llm = LLM(model=str(tiny_model_dir), block_size=8, num_kv_blocks=NUM_BLOCKS)

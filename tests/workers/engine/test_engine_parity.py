@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from baton_serve.workers import LLM, SamplingParams
 
 from benchmarks.engine_check import hf_greedy
-from workers import LLM, SamplingParams
 
 PROMPTS = [
     "Hello world! How are you today?",
@@ -30,7 +30,7 @@ def hf_tiny(tiny_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def expected(hf_tiny, tiny_model_dir: Path) -> dict[str, list[int]]:
-    from workers.text.tokenizer import Tokenizer
+    from baton_serve.workers.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(tiny_model_dir)
     with torch.no_grad():

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # the kernel modules may already be imported (compiled) in this one.
 _SCRIPT = r"""
 import json, os, sys
-import kernels.triton_ops as triton_ops
-from kernels import backend
-from workers import LLM, SamplingParams
+import baton_serve.kernels.triton_ops as triton_ops
+from baton_serve.kernels import backend
+from baton_serve.workers import LLM, SamplingParams
 
 calls = {}
 for op in backend._OPS:

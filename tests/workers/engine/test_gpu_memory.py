@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from workers.engine import gpu_memory
-from workers.engine.config import EngineConfig, SchedulerConfig
-from workers.engine.core import EngineCore
-from workers.engine.model_runner import kv_cache_block_bytes
-from workers.model.loader import load_model
+from baton_serve.workers.engine import gpu_memory
+from baton_serve.workers.engine.config import EngineConfig, SchedulerConfig
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.model_runner import kv_cache_block_bytes
+from baton_serve.workers.model.loader import load_model
 
 GIB = 1 << 30
 
@@ -79,8 +78,8 @@ def test_cache_takes_the_share_left_after_weights_and_activations_within_what_is
 
 
 def test_engine_device_is_checked_and_cuda_absent_is_an_error(tiny_model_dir: Path, monkeypatch):
-    from kernels.device import DeviceUnavailableError
-    from workers.llm import LLM
+    from baton_serve.kernels.device import DeviceUnavailableError
+    from baton_serve.workers.llm import LLM
 
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(device="gpu")
@@ -95,8 +94,8 @@ def test_engine_device_is_checked_and_cuda_absent_is_an_error(tiny_model_dir: Pa
 
 
 def test_quantised_weights_load_on_the_cpu_only(tiny_model_dir: Path, tmp_path: Path):
-    from workers.checkpoint.quantize import quantize_folder
-    from workers.errors import ModelLoadError
+    from baton_serve.workers.checkpoint.quantize import quantize_folder
+    from baton_serve.workers.errors import ModelLoadError
 
     folder = quantize_folder(tiny_model_dir, tmp_path / "int8", "int8", 32)
     with pytest.raises(ModelLoadError, match="CPU kernels only"):

@@ -4,13 +4,13 @@ last was, read by cursor (the controller's rebalancer pulls what is new)."""
 from __future__ import annotations
 
 import pytest
+from baton_serve.workers.engine.config import EngineConfig, SchedulerConfig
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.latency_log import LatencyLog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.workers.engine.test_simulated_core import NS, _Clock, _params
-from workers.engine.config import EngineConfig, SchedulerConfig
-from workers.engine.core import EngineCore
-from workers.engine.latency_log import LatencyLog
 
 
 @settings(max_examples=100, deadline=None)

@@ -4,11 +4,10 @@ held once."""
 from __future__ import annotations
 
 import pytest
+from baton_serve.workers.engine.reservation import ReservationLedger
+from baton_serve.workers.errors import KVCacheError
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workers.engine.reservation import ReservationLedger
-from workers.errors import KVCacheError
 
 
 def test_capacity_is_respected_and_failure_changes_nothing() -> None:

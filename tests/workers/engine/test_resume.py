@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.engine.request import SampleResume
+from baton_serve.workers.errors import InvalidRequestError
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workers import LLM, SamplingParams
-from workers.engine.request import SampleResume
-from workers.errors import InvalidRequestError
 
 NUM_BLOCKS = 96
 PROMPT = [3, 17, 29, 5, 71, 8, 44, 12, 9, 60, 2]
@@ -81,7 +80,7 @@ def test_a_resume_that_cannot_continue_is_refused_with_nothing_queued(llm):
 def test_a_constrained_sample_resumes_inside_its_grammar(llm, kind, where):
     """A migrated constrained sample: its matcher is rebuilt from the emitted tokens, so the rest
     is what the undisturbed run wrote (and still follows the grammar)."""
-    from workers.sampling.structured.spec import StructuredSpec
+    from baton_serve.workers.sampling.structured.spec import StructuredSpec
 
     pattern = "(ab|c[de]){8,14}!"
     spec = StructuredSpec.regex(pattern).to_dict()

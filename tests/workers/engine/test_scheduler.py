@@ -3,16 +3,15 @@ no leaks."""
 
 from __future__ import annotations
 
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.engine.config import SchedulerConfig
+from baton_serve.workers.engine.request import Request, RequestStatus
+from baton_serve.workers.engine.scheduler import Scheduler
+from baton_serve.workers.engine.swap import HostBlockPool
+from baton_serve.workers.engine.waiting_queue import PriorityAgingQueue
+from baton_serve.workers.sampling.params import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workers.blocks.manager import BlockManager
-from workers.engine.config import SchedulerConfig
-from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import Scheduler
-from workers.engine.swap import HostBlockPool
-from workers.engine.waiting_queue import PriorityAgingQueue
-from workers.sampling.params import SamplingParams
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0,

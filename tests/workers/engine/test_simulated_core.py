@@ -4,13 +4,12 @@ KV hand-offs, with the forward pass a callback on a virtual clock and no model a
 from __future__ import annotations
 
 import pytest
-
-from workers.blocks.prefix_hash import CacheNamespace
-from workers.engine.config import EngineConfig, SchedulerConfig
-from workers.engine.core import EngineCore
-from workers.engine.stats import engine_stats
-from workers.errors import InvalidRequestError
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.blocks.prefix_hash import CacheNamespace
+from baton_serve.workers.engine.config import EngineConfig, SchedulerConfig
+from baton_serve.workers.engine.core import EngineCore
+from baton_serve.workers.engine.stats import engine_stats
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.params import SamplingParams
 
 NS = CacheNamespace(model="sim", weights_hash="w", block_size=8)
 

@@ -4,18 +4,17 @@ tenants of one class, and peeks that change nothing."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from workers.engine.config import SchedulerConfig
-from workers.engine.request import Request
-from workers.engine.waiting_queue import (
+from baton_serve.workers.engine.config import SchedulerConfig
+from baton_serve.workers.engine.request import Request
+from baton_serve.workers.engine.waiting_queue import (
     POLICY_NAMES,
     FairShareQueue,
     WaitingQueue,
     make_waiting_queue,
 )
-from workers.sampling.params import SamplingParams
+from baton_serve.workers.sampling.params import SamplingParams
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _req(rid: str, size: int, tenant: str = "", priority: int = 0, arrival: float = 0.0) -> Request:

@@ -6,7 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from workers.kv.connectors.collective import CollectiveConnector
+from baton_serve.workers.kv.connectors.collective import CollectiveConnector
 
 
 class _Group:

@@ -4,8 +4,7 @@ through real workers in tests/workers/actor/test_worker.py and tests/cluster/tes
 from __future__ import annotations
 
 import pytest
-
-from workers.kv import connector as kvc
+from baton_serve.workers.kv import connector as kvc
 
 
 def test_the_three_transports_are_registered_and_auto_prefers_shared_memory():

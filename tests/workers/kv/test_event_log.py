@@ -3,8 +3,8 @@ mirror of the cached set that matches the block pool's."""
 
 from __future__ import annotations
 
-from workers.blocks.manager import BlockManager
-from workers.kv.event_log import CLEARED, REMOVED, STORED, KVEventLog
+from baton_serve.workers.blocks.manager import BlockManager
+from baton_serve.workers.kv.event_log import CLEARED, REMOVED, STORED, KVEventLog
 
 
 def _manager(log: KVEventLog, num_blocks: int = 8) -> BlockManager:

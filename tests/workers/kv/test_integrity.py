@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baton_serve.workers.errors import KVTransferError
+from baton_serve.workers.kv.integrity import block_crcs, corrupt_block, verify_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workers.errors import KVTransferError
-from workers.kv.integrity import block_crcs, corrupt_block, verify_blocks
 
 BS = 4
 

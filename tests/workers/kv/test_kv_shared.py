@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from workers import LLM, SamplingParams
-from workers.errors import KVTransferError
-from workers.kv.shared import KVExport, allocate_shared, export_alive, map_export
-from workers.kv.transfer import KVTransferEngine, KVTransferRejected
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.errors import KVTransferError
+from baton_serve.workers.kv.shared import KVExport, allocate_shared, export_alive, map_export
+from baton_serve.workers.kv.transfer import KVTransferEngine, KVTransferRejected
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS, SHAPE = 3, (12, 8, 2, 16)  # [blocks, block_size, kv_heads, head_dim]
@@ -24,8 +23,8 @@ LAYERS, SHAPE = 3, (12, 8, 2, 16)  # [blocks, block_size, kv_heads, head_dim]
 # The exporting process: fills its cache from a seed, prints how to map it, waits for a line.
 _EXPORTER = textwrap.dedent(f"""
     import base64, json, sys, torch
-    sys.path.insert(0, {str(ROOT)!r})
-    from workers.kv.shared import allocate_shared
+    sys.path.append({str(ROOT)!r})
+    from baton_serve.workers.kv.shared import allocate_shared
     caches, export = allocate_shared({LAYERS}, {SHAPE}, torch.bfloat16, sys.argv[1])
     g = torch.Generator().manual_seed(7)
     for k, v in caches:

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from workers.errors import BatonError, KVTransferError
-from workers.kv.transfer import (
+from baton_serve.workers.errors import BatonError, KVTransferError
+from baton_serve.workers.kv.transfer import (
     KVTransferEngine,
     KVTransferRejected,
     PairGroup,

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from workers.kv.layout import allocate_kv, split_layers, stacked
-from workers.kv.shared import allocate_shared
-from workers.kv.transfer import KVTransferEngine
+from baton_serve.workers.kv.layout import allocate_kv, split_layers, stacked
+from baton_serve.workers.kv.shared import allocate_shared
+from baton_serve.workers.kv.transfer import KVTransferEngine
 
 LAYERS, SHAPE = 3, (10, 4, 2, 8)  # [blocks, block_size, kv_heads, head_dim]
 

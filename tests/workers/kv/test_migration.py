@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import backend
-from workers import LLM, SamplingParams
-from workers.errors import OutOfBlocksError
+from baton_serve.kernels import backend
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.errors import OutOfBlocksError
 
 
 def _engines(tiny_model_dir, decode_blocks: int = 64):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import workers.kv.migration as migration
+import baton_serve.workers.kv.migration as migration
 
 
 def _imported_modules(source: str) -> set[str]:
@@ -21,4 +21,5 @@ def _imported_modules(source: str) -> set[str]:
 
 def test_migration_does_not_import_the_engine_core() -> None:
     imported = _imported_modules(Path(migration.__file__).read_text())
-    assert not {m for m in imported if m == "workers.engine.core" or m.startswith("workers.engine.core.")}
+    core = "baton_serve.workers.engine.core"
+    assert not {m for m in imported if m == core or m.startswith(core + ".")}

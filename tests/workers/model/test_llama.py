@@ -4,10 +4,10 @@ summation order) and still writes every token's K/V to the cache, bit for bit.""
 from __future__ import annotations
 
 import torch
+from baton_serve.workers import LLM
+from baton_serve.workers.model.attention import AttentionMetadata
 
 from tests.tiny_model import write_tiny_llama
-from workers import LLM
-from workers.model.attention import AttentionMetadata
 
 
 def _prefill_meta(lens: list[int], block_size: int, per_seq: int) -> AttentionMetadata:

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from baton_serve.workers import LLM, SamplingParams
+from baton_serve.workers.errors import ModelLoadError
 from safetensors.torch import load_file, save_file
 
 from benchmarks.engine_check import hf_greedy
 from tests.tiny_model import write_tiny_llama
-from workers import LLM, SamplingParams
-from workers.errors import ModelLoadError
 
 PROMPT = [5, 17, 42, 7, 99, 3, 150, 23, 8, 61, 77, 12]
 
@@ -81,10 +81,9 @@ def test_missing_weight_is_a_clear_error(tmp_path):
     {"rope_type": "linear", "factor": 4.0},
 ])
 def test_rope_inverse_frequencies_match_transformers(scaling):
+    from baton_serve.workers.model.layers import rope_inv_freq
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from workers.model.layers import rope_inv_freq
 
     cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
                       max_position_embeddings=131072, rope_scaling=dict(scaling))

@@ -7,12 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
-from scipy.stats import chisquare
-
-from workers.errors import InvalidRequestError
-from workers.sampling.ops import (
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.ops import (
     apply_min_p,
     apply_penalties,
     apply_temperature,
@@ -22,8 +18,11 @@ from workers.sampling.ops import (
     inverse_cdf_sample,
     truncation_window,
 )
-from workers.sampling.params import SamplingParams
-from workers.sampling.sampler import Sampler, SamplerOutput, SamplingRow, process_logits
+from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.sampling.sampler import Sampler, SamplerOutput, SamplingRow, process_logits
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
 
 torch.set_num_threads(1)
 
@@ -342,7 +341,7 @@ def test_all_greedy_plain_batch_takes_fast_path(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("fast path must not process or sample")
 
-    monkeypatch.setattr("workers.sampling.sampler._process", boom)
+    monkeypatch.setattr("baton_serve.workers.sampling.sampler._process", boom)
     monkeypatch.setattr(Sampler, "_sample", boom)
     logits = torch.randn(8, 64)
     out = Sampler()(logits, [row(temperature=0, top_p=0.5, top_k=3) for _ in range(8)])

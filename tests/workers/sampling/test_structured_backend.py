@@ -11,11 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-
-from tests.tiny_model import build_tokenizer
-from workers.errors import InvalidRequestError
-from workers.sampling.structured import (
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.structured import (
     GrammarMatcher,
     LLGuidanceBackend,
     StructuredSpec,
@@ -24,6 +21,9 @@ from workers.sampling.structured import (
     make_backend,
     unpack_bitmask,
 )
+from tokenizers import Tokenizer
+
+from tests.tiny_model import build_tokenizer
 
 PAD = 64  # extra logits columns past the tokenizer, as padded embeddings give
 

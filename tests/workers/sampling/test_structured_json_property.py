@@ -11,17 +11,16 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from tokenizers import Tokenizer
-
-from workers.sampling.structured import (
+from baton_serve.workers.sampling.structured import (
     LLGuidanceBackend,
     StructuredSpec,
     allocate_bitmask,
     apply_bitmask_,
     unpack_bitmask,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 MAX_TOKENS = 200
 PROPERTY = settings(max_examples=50, deadline=None, derandomize=True,

@@ -5,11 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from workers.errors import InvalidRequestError
-from workers.sampling.structured import (
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.structured import (
     GrammarBackend,
     StructuredSpec,
     allocate_bitmask,
@@ -19,6 +16,8 @@ from workers.sampling.structured import (
     register_backend,
     unpack_bitmask,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=8),

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from baton_serve.workers.text.detokenizer import IncrementalDetokenizer
+from baton_serve.workers.text.tokenizer import Tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.workers.text.test_tokenizer import write_bpe_model
-from workers.text.detokenizer import IncrementalDetokenizer
-from workers.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world! How are you today?",

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.text.stop_strings import StopStringMatcher, reference_truncate
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from workers.errors import InvalidRequestError
-from workers.text.stop_strings import StopStringMatcher, reference_truncate
 
 
 def brute_force(text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:

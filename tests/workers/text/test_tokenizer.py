@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from baton_serve.workers.errors import InvalidRequestError, ModelLoadError
+from baton_serve.workers.text.tokenizer import Tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-from workers.errors import InvalidRequestError, ModelLoadError
-from workers.text.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

@@ -8,10 +8,10 @@ import threading
 import time
 from typing import Any
 
-from kernels import openmp
-from workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
-from workers.kv.pair_group import KVTransferRejected, PairGroup, PairRendezvous
-from workers.kv.transfer import transfer_key
+from baton_serve.kernels import openmp
+from baton_serve.workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
+from baton_serve.workers.kv.pair_group import KVTransferRejected, PairGroup, PairRendezvous
+from baton_serve.workers.kv.transfer import transfer_key
 
 
 @register_connector

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels import openmp
-from workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
+from baton_serve.kernels import openmp
+from baton_serve.workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
 
 
 @register_connector

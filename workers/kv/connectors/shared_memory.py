@@ -9,12 +9,12 @@ import logging
 import time
 from typing import Any
 
-from workers.errors import OutOfBlocksError
-from workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
-from workers.kv.migration import MigrationMeta
-from workers.kv.shared import KVExport, export_alive, map_export
-from workers.kv.transfer import KVTransferError
-from workers.node import node_id
+from baton_serve.workers.errors import OutOfBlocksError
+from baton_serve.workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
+from baton_serve.workers.kv.migration import MigrationMeta
+from baton_serve.workers.kv.shared import KVExport, export_alive, map_export
+from baton_serve.workers.kv.transfer import KVTransferError
+from baton_serve.workers.node import node_id
 
 log = logging.getLogger("baton.kv")
 

@@ -1,6 +1,6 @@
 """Grammar-constrained decoding: specs, backends chosen by name, token bitmasks (issue 19)."""
 
-from workers.sampling.structured.backend import (
+from baton_serve.workers.sampling.structured.backend import (
     DEFAULT_BACKEND,
     CompiledGrammar,
     GrammarBackend,
@@ -10,9 +10,14 @@ from workers.sampling.structured.backend import (
     make_backend,
     register_backend,
 )
-from workers.sampling.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
-from workers.sampling.structured.mask import allocate_bitmask, apply_bitmask_, bitmask_words, unpack_bitmask
-from workers.sampling.structured.spec import KINDS, StructuredSpec
+from baton_serve.workers.sampling.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
+from baton_serve.workers.sampling.structured.mask import (
+    allocate_bitmask,
+    apply_bitmask_,
+    bitmask_words,
+    unpack_bitmask,
+)
+from baton_serve.workers.sampling.structured.spec import KINDS, StructuredSpec
 
 __all__ = [
     "DEFAULT_BACKEND", "KINDS", "CompiledGrammar", "GrammarBackend", "GrammarMatcher", "LLGuidanceBackend",

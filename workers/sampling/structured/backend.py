@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-
-from workers.registry import Registry
-from workers.sampling.structured.spec import DEFAULT_PARAM, StructuredSpec
+from baton_serve.workers.registry import Registry
+from baton_serve.workers.sampling.structured.spec import DEFAULT_PARAM, StructuredSpec
 
 DEFAULT_BACKEND = "llguidance"
 DEFAULT_CACHE_SIZE = 256
@@ -159,7 +158,7 @@ def make_backend(name: str, tokenizer_json: str, vocab_size: int, eos_token_ids:
 
 def _load_builtin() -> None:
     # Importing registers them; here rather than at the top, as they import this module.
-    from workers.sampling.structured import llguidance_backend  # noqa: F401
+    from baton_serve.workers.sampling.structured import llguidance_backend  # noqa: F401
 
 
 _REGISTRY: Registry[type[GrammarBackend]] = Registry("grammar backend", _load_builtin)

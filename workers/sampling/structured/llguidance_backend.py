@@ -23,16 +23,15 @@ from typing import Any
 
 import llguidance
 import torch
-
-from workers.errors import InvalidRequestError
-from workers.sampling.structured.backend import (
+from baton_serve.workers.errors import InvalidRequestError
+from baton_serve.workers.sampling.structured.backend import (
     DEFAULT_CACHE_SIZE,
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
     register_backend,
 )
-from workers.sampling.structured.spec import StructuredSpec
+from baton_serve.workers.sampling.structured.spec import StructuredSpec
 
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _WHAT = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, get_args
 
-from workers.errors import InvalidRequestError
+from baton_serve.workers.errors import InvalidRequestError
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = get_args(Kind)
