@@ -106,6 +106,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
+        "server.log_format": args.log_format,
         "engine.kv_cache_memory_gib": args.kv_cache_memory_gib, "router.policy": args.routing_policy,
         "server.api_key": args.api_key,
         "server.tenants": str(Path(args.tenants).resolve()) if args.tenants else None,
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=None, help="decode workers")
     srv.add_argument("--colocated", type=int, default=None,
                      help="N colocated workers (prefill and decode in one) instead of the pools")
+    srv.add_argument("--log-format", choices=["text", "json"], default=None,
+                     help="text (default) or json: one object per line with the request id (X-Request-Id)")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model's name(s) in the API; requests may use any, responses carry the first "
                      "(default: the model's own name)")

@@ -132,6 +132,8 @@ class ServerSection(BaseModel):
     protect_probes: bool = Field(False, description="/health and /ready need an admin key too")
     idempotency_ttl_s: float = Field(3600.0, gt=0, description="how long a finished Idempotency-Key "
                                      "response is kept for retries")
+    log_format: Literal["text", "json"] = Field("text", description="json: one object per line, "
+                                                "each with the request id (X-Request-Id) it was written for")
     idempotency_grace_s: float = Field(5.0, ge=0, description="an idempotent run nobody listens to is "
                                        "aborted after this long")
 

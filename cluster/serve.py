@@ -52,8 +52,9 @@ def serve(config: ClusterConfig) -> int:
     """
     from baton_serve.cluster.admission.front import tenant_directory
     from baton_serve.cluster.http_actor import drain_fronts, start_fronts, stop_fronts
+    from baton_serve.router.request_id import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.server.log_format)
     started = time.monotonic()
     stop = threading.Event()
 

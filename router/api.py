@@ -7,7 +7,7 @@ process (or a test) can run several apps side by side.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,6 +16,7 @@ from baton_serve.router.errors import APIError, install_error_handlers
 from baton_serve.router.gateway import GateMiddleware, Gateway
 from baton_serve.router.openapi import json_body
 from baton_serve.router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from baton_serve.router.request_id import RequestIdMiddleware
 from baton_serve.router.serving import OpenAIServing
 from baton_serve.workers.text.tokenizer import Tokenizer
 from fastapi import FastAPI, Request
@@ -27,7 +28,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str | Sequ
               queue_size: int = 64, on_startup: Sequence[Callable[[], Any]] = (),
               on_shutdown: Sequence[Callable[[], Any]] = (), gateway: Gateway | None = None,
               admin: Callable[[str | None], bool] | None = None, protect_probes: bool = False,
-              status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+              status: Callable[[], dict[str, Any]] | None = None,
+              metrics_text: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``client``.
 
     ``ready`` gates ``GET /ready`` (None: ready as soon as the app serves); a draining gate makes
@@ -38,6 +40,8 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str | Sequ
     and ``/ready``); None leaves them open. ``on_startup``/``on_shutdown`` callables (plain or
     async) run on the server's event loop in the ASGI lifespan, in order. ``status`` serves
     ``GET /status`` (admin only, like ``/metrics``) and adds a workers summary to ``/ready``.
+    ``metrics_text`` replaces the registry's own exposition on ``/metrics`` (several fronts: the
+    whole deployment's, ``cluster.metrics_merge``).
     """
     gateway = gateway or Gateway()
 
@@ -71,10 +75,10 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str | Sequ
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        card = serving.models().data[0]
-        if model_id != card.id:
-            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return card
+        for card in serving.models().data:  # each served name (alias) has its card
+            if card.id == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
 
     def check_admin(request: Request, protected: bool) -> None:
         if protected and admin is not None and not admin(request.headers.get("authorization")):
@@ -110,10 +114,12 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, model_name: str | Sequ
         @app.get("/metrics")
         async def metrics(request: Request) -> Response:
             check_admin(request, True)
-            return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+            body = await metrics_text() if metrics_text is not None else generate_latest(metrics_registry)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(GateMiddleware, gateway=gateway,
                        paths={"/v1/chat/completions": "chat", "/v1/completions": "completion"})
+    app.add_middleware(RequestIdMiddleware)  # added last, so outermost: refusals carry the id too
     return app
 
 

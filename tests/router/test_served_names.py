@@ -49,6 +49,8 @@ def test_requests_may_use_any_alias(backend):
             models = http.get("/v1/models").json()["data"]
             assert [m["id"] for m in models] == ["smol", "smol-latest"]
             assert {m["root"] for m in models} == {"smol"}
+            assert http.get("/v1/models/smol-latest").json()["id"] == "smol-latest"
+            assert http.get("/v1/models/other").status_code == 404
             body = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
             for name in ("smol", "smol-latest"):
                 r = http.post("/v1/completions", json={**body, "model": name})
