@@ -15,7 +15,10 @@ from baton_serve.cluster.config import RouterSection
 from baton_serve.cluster.front import PoolClient, WorkerRef
 from baton_serve.cluster.metered_client import MeteredClient
 from baton_serve.cluster.metrics import Metrics
+from baton_serve.cluster.metrics_merge import merge_expositions
 from baton_serve.workers.engine.validation import RequestLimits
+
+PEER_SCRAPE_S = 2.0  # a front that does not answer a scrape in time is left out of it (and counted)
 
 log = logging.getLogger("baton.http")
 
@@ -67,11 +70,27 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
     def remember_loop() -> None:
         front.loop = asyncio.get_running_loop()
 
+    async def deployment_metrics() -> bytes:
+        """This front's metrics with the other fronts' per-front share added (one scrape target)."""
+        from prometheus_client import generate_latest
+
+        own = generate_latest(metrics.registry)
+        peers = {k: h for k, h in (run_owners.fronts if run_owners is not None else {}).items()
+                 if k != run_owners.front_id}
+        if not peers:
+            return own
+        replies = await asyncio.gather(*(asyncio.wait_for(h.metrics_text.remote(), PEER_SCRAPE_S)
+                                         for h in peers.values()), return_exceptions=True)
+        texts = [r for r in replies if isinstance(r, bytes)]
+        metrics.peer_scrape_failures.inc(len(replies) - len(texts))
+        return merge_expositions(own, texts, metrics.per_front)
+
     front.app = build_app(MeteredClient(pool, metrics), tokenizer, model_name, limits.max_model_len,
                           ready=pool.ready, metrics_registry=metrics.registry,
                           on_startup=[remember_loop, pool.start], on_shutdown=[pool.stop], gateway=gateway,
                           admin=admission.directory.is_admin if server.protect_metrics else None,
-                          protect_probes=server.protect_probes, status=pool.status)
+                          protect_probes=server.protect_probes, status=pool.status,
+                          metrics_text=deployment_metrics)
     return front
 
 
@@ -92,6 +111,10 @@ class HTTPFront:
         cfg = cfg.with_overrides(**{"server.max_queued_requests": max_queued})
         if routing is not None:
             cfg = cfg.model_copy(update={"router": RouterSection.model_validate(routing)})
+        if cfg.server.log_format != "text":
+            from baton_serve.router.request_id import configure_logging
+
+            configure_logging(cfg.server.log_format)  # this actor's process: its lines carry request ids
         self.front_id = f"front-{front_index}"
         owners = RayRunOwners(owners_directory, self.front_id) if owners_directory is not None else None
         self.front = build_front(cfg, refs, RequestLimits(**limits), model_path, model_name, controller,
@@ -117,6 +140,12 @@ class HTTPFront:
         future = asyncio.run_coroutine_threadsafe(self.front.gateway.snapshot(scope, key, after, wait_s),
                                                   self.front.loop)
         return future.result(wait_s + 30)
+
+    def metrics_text(self) -> bytes:
+        """This front's own exposition, for the front a scrape landed on to add in."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.metrics.registry)
 
     def stats(self) -> dict[str, Any]:
         """What this front has seen: authenticated arrivals per tenant, requests in flight."""

@@ -77,6 +77,9 @@ class Metrics:
                                        "again, as this front adopted them", ["role"], registry=r)
         self.rebalance = Counter("baton:rebalance_total", "Rebalancer actions carried out, as this front saw "
                                  "them (flip: a worker changed role)", ["action", "reason"], registry=r)
+        self.peer_scrape_failures = Counter("baton:metrics_peer_scrape_failures", "Scrapes of this front "
+                                            "that left out another front's share: it did not answer in "
+                                            "time", registry=r)
         self.running = Gauge("baton:num_requests_running", "Requests in the engine's running batch", w,
                              registry=r)
         self.paused = Gauge("baton:num_requests_paused", "Requests descheduled because their reader fell "
@@ -131,6 +134,15 @@ class Metrics:
                                             "index from a worker, by reason (epoch: first sync or a "
                                             "restarted worker; gap: events lost)", ["worker", "reason"],
                                             registry=r)
+        # Counted per front (each request passes one front): a scrape of the whole deployment sums
+        # these over the fronts (cluster.metrics_merge); the rest mirror the workers alike at every front.
+        self.per_front = {metric.describe()[0].name for metric in (
+            self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prompt_tokens,
+            self.generation_tokens, self.request_success, self.request_rejected, self.tenant_prompt_tokens,
+            self.tenant_generation_tokens, self.admission_queue_depth, self.kv_reserved_blocks,
+            self.kv_reservable_blocks, self.migrations, self.router_decisions, self.router_prefix_match,
+            self.router_prefix_match_ratio, self.router_ttft_estimated, self.router_ttft_measured,
+            self.router_ttft_ratio)}
         self._counters: dict[tuple[str, str], _WorkerCounters] = {}
         self._queued_classes: set[int] = set()  # priority classes the queue-depth gauge shows
 
