@@ -1,4 +1,5 @@
-"""Write the deployment files (images, `ray up` cluster, KubeRay manifests) from the Makefile's pins.
+"""Write the deployment files (images, `ray up` cluster, KubeRay manifests, the Grafana dashboard)
+from the Makefile's pins.
 
     python deploy/generate.py          # (re)write them
     python deploy/generate.py --check  # exit 1, naming the stale ones, if any differs
@@ -9,6 +10,7 @@ RAY_VERSION and SMOLLM2_VERSION, and the project's version from pyproject.toml."
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import jinja2
 import tomllib
+from grafana_dashboard import dashboard
 
 DEPLOY = Path(__file__).resolve().parent
 ROOT = DEPLOY.parent
@@ -70,6 +73,7 @@ def rendered() -> dict[Path, str]:
         for v in VARIANTS:
             target = name.removeprefix("kuberay-").removesuffix(".yaml.j2") + f"-{v.name}.yaml"
             out[DEPLOY / "kuberay" / target] = env.get_template(name).render(ctx, v=v)
+    out[DEPLOY / "grafana" / "baton.json"] = json.dumps(dashboard(ctx["VERSION"]), indent=2) + "\n"
     return out
 
 

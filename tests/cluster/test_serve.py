@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +14,8 @@ from baton_serve.cluster.config import ClusterConfig
 from baton_serve.cluster.serve import Deployment
 
 from tests.cluster.conftest import serving
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(model_dir, **pools) -> ClusterConfig:
@@ -175,6 +178,31 @@ def test_two_front_actors_share_one_port(ray_session, tiny_model_dir):
                                                     extra_body={"ignore_eos": True}), range(8)))
         assert len({r.choices[0].message.content for r in replies}) == 1
         assert all(r.usage.completion_tokens == 6 for r in replies)
+        # one scrape target: whichever front a scrape lands on, it counts every front's requests
+        # (the fronts' own shares differ: the kernel spread the connections over them)
+        shares = ray_session.get([f.metrics_text.remote() for f in fronts])
+        assert sum(_successes(text) for text in shares) == 8
+        for _ in range(6):
+            scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            assert scrape.status_code == 200 and _successes(scrape.content) == 8
+            assert "baton:metrics_peer_scrape_failures_total 0.0" in scrape.text
+        # every metric a panel of the Grafana dashboard queries is in the live scrape
+        from prometheus_client.parser import text_string_to_metric_families
+
+        sys.path.append(str(ROOT / "deploy"))
+        import grafana_dashboard
+
+        live = {f.name for f in text_string_to_metric_families(scrape.text)}
+        queried = set().union(*(grafana_dashboard.metric_names(expr) for _, _, _, targets in grafana_dashboard.PANELS
+                                for _, expr in targets))
+        assert queried and queried <= live, queried - live
     finally:
         stop_fronts(fronts)
         cluster.stop()
+
+
+def _successes(exposition: bytes) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(exposition.decode()) for s in f.samples
+               if s.name == "baton:request_success_total")

@@ -29,7 +29,8 @@ def test_the_generated_files_are_up_to_date():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert {p.relative_to(DEPLOY).as_posix() for p in generate.rendered()} >= {
-        "docker/Dockerfile.cpu", "docker/Dockerfile.cuda", "ray/cluster.yaml"}
+        "docker/Dockerfile.cpu", "docker/Dockerfile.cuda", "ray/cluster.yaml", "kuberay/raycluster-cpu.yaml",
+        "kuberay/raycluster-cuda.yaml", "grafana/baton.json"}
 
 
 def test_the_makefile_installs_what_it_pins():
@@ -86,3 +87,94 @@ def test_the_cluster_serves_baton_from_the_head():
     for commands in (cluster["setup_commands"], types["gpu_worker"]["worker_setup_commands"]):
         assert any(f"torch=={PINS['TORCH_VERSION']}" in c for c in commands)
         assert any(c.strip() == "baton convert" for c in commands)
+
+
+def _kuberay(variant: str) -> list[dict]:
+    return list(yaml.safe_load_all((DEPLOY / "kuberay" / f"raycluster-{variant}.yaml").read_text()))
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_the_kuberay_cluster_reads_as_ray_reads_it(variant: str):
+    """Ray's own KubeRay integration (the autoscaler's translation of a RayCluster into node types,
+    validated against ray-schema.json inside it) sees the pools where they are meant to be."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    cluster, service = _kuberay(variant)
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    assert cluster["spec"]["rayVersion"] == PINS["RAY_VERSION"]
+    config = _derive_autoscaling_config_from_ray_cr({**cluster, "metadata": {**cluster["metadata"],
+                                                                             "namespace": "default"}})
+    head = config["available_node_types"][config["head_node_type"]]
+    (pool,) = [t for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
+    assert head["resources"]["CPU"] == 0, "no pool worker on the head"
+    assert (pool["resources"].get("GPU", 0) >= 1) == (variant == "cuda")
+    serve = load_config(DEPLOY / "ray" / "serve.toml")
+    per_pod = pool["resources"]["CPU"] // serve.pools.cpus_per_worker
+    if variant == "cuda":
+        per_pod = min(per_pod, pool["resources"]["GPU"])
+    assert pool["min_workers"] * per_pod >= serve.pools.prefill + serve.pools.decode, "the pools fit the pods"
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_the_kuberay_head_serves_with_probes_and_a_service(variant: str):
+    cluster, service = _kuberay(variant)
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert head["image"] == f"baton-serve:{generate.context()['VERSION']}-{variant}"
+    script = " ".join(head["args"])
+    assert "$KUBERAY_GEN_RAY_START_CMD" in script and "baton serve --address auto" in script
+    assert script.index("$KUBERAY_GEN_RAY_START_CMD") < script.index("baton serve")
+    assert "/home/ray/baton/deploy/ray/serve.toml" in script  # where the image puts it
+    assert head["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert head["readinessProbe"]["httpGet"]["path"] == "/ready"
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert ports["http"] == 8000
+    for worker_group in cluster["spec"]["workerGroupSpecs"]:
+        (worker,) = worker_group["template"]["spec"]["containers"]
+        assert worker["image"] == head["image"] and "$KUBERAY_GEN_RAY_START_CMD" in " ".join(worker["args"])
+    assert service["kind"] == "Service"
+    assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {8000, 8080}
+
+
+def test_every_dashboard_query_reads_metrics_the_fronts_export():
+    import grafana_dashboard as grafana
+    from baton_serve.cluster.metrics import Metrics
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    exported = {f.name for f in text_string_to_metric_families(generate_latest(Metrics("x").registry).decode())}
+    board = json.loads((DEPLOY / "grafana" / "baton.json").read_text())
+    queries = [t["expr"] for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+    assert len(queries) >= 25 and all(grafana.metric_names(q) for q in queries)
+    assert set().union(*map(grafana.metric_names, queries)) <= exported
+    titles = {p["title"] for p in board["panels"]}
+    assert {"Time to first token", "SLO attainment", "Goodput", "KV cache usage per worker",
+            "Prefix cache hit rate per pool", "KV transfer", "Migrations and restarts",
+            "Rebalancing actions"} <= titles
+    # the SLO choices are bucket boundaries, so `le="$slo"` selects a real series
+    buckets = {s.labels["le"] for f in text_string_to_metric_families(generate_latest(_observed()).decode())
+               for s in f.samples if s.name.endswith("_bucket")}
+    assert set(grafana.TTFT_SLOS) | set(grafana.TPOT_SLOS) <= buckets
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def _observed():
+    from baton_serve.cluster.metrics import Metrics
+
+    m = Metrics("x")
+    m.observe_request(arrival=0.0, first_token=0.1, token_times=[0.1, 0.2, 0.3], prompt_tokens=3,
+                      output_tokens=3, finish_reason="stop")
+    return m.registry
+
+
+def test_the_prometheus_config_scrapes_the_api_port():
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["baton"]["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
+    keep_port = [r for r in jobs["baton-kubernetes"]["relabel_configs"]
+                 if r.get("source_labels") == ["__meta_kubernetes_service_port_name"]]
+    (service,) = [d for d in _kuberay("cpu") if d["kind"] == "Service"]
+    assert keep_port[0]["regex"] in {p["name"] for p in service["spec"]["ports"] if p["port"] == 8000}
+    assert service["metadata"]["labels"]["app.kubernetes.io/name"] == "baton"
