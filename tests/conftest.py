@@ -44,9 +44,11 @@ def real_tok(default_model_dir: Path):
     return Tokenizer.from_folder(default_model_dir)
 
 
-# A module that starts Ray (or a `baton serve` that does) is marked `ray`, so that `make test-quick`
-# (`-m "not ray and not slow"`) stays a Ray-free inner loop without every such test saying so.
-_STARTS_RAY = re.compile(r"^\s*import ray\b|\bray_session\b|\bCluster\(|\bstart_fronts\(|\"serve\", \"--", re.M)
+# A module that starts Ray (or a `baton serve` that does) is marked `ray`, and a test of the real
+# default model `slow`, so that `make test-quick` (`-m "not ray and not slow"`) stays a quick,
+# Ray-free inner loop without every such test saying so.
+_STARTS_RAY = re.compile(r"\bray\.init\(|importorskip\(\"ray\"\)|\bray_session\b|\bCluster\(|\bstart_fronts\(|"
+                         r"cli\", \"serve\"|\"baton\"\), \"serve\"")  # ... or a `baton serve` process
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -55,5 +57,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.path))
         if path not in starts_ray:
             starts_ray[path] = bool(_STARTS_RAY.search(path.read_text(encoding="utf-8")))
-        if starts_ray[path] or "ray_session" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if starts_ray[path] or "ray_session" in fixtures:
             item.add_marker(pytest.mark.ray)
+        if "default_model_dir" in fixtures:
+            item.add_marker(pytest.mark.slow)
