@@ -149,11 +149,10 @@ class ServerSection(BaseModel):
 
     def served_model_names(self, model_path: Path) -> list[str]:
         """The names the API answers to, the first being the one responses and metrics carry."""
+        from baton_serve.router.serving import served_names
         from baton_serve.workers.checkpoint.default_model import served_name
 
-        if self.model_name is None:
-            return [served_name(model_path)]
-        return [self.model_name] if isinstance(self.model_name, str) else list(self.model_name)
+        return served_names(served_name(model_path) if self.model_name is None else self.model_name)
 
 
 class AdmissionSection(BaseModel):

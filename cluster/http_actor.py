@@ -75,12 +75,12 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
         from prometheus_client import generate_latest
 
         own = generate_latest(metrics.registry)
-        peers = {k: h for k, h in (run_owners.fronts if run_owners is not None else {}).items()
-                 if k != run_owners.front_id}
+        owners = run_owners  # the other fronts' handles live there (several fronts only)
+        peers = [h for k, h in owners.fronts.items() if k != owners.front_id] if owners is not None else []
         if not peers:
             return own
-        replies = await asyncio.gather(*(asyncio.wait_for(h.metrics_text.remote(), PEER_SCRAPE_S)
-                                         for h in peers.values()), return_exceptions=True)
+        replies = await asyncio.gather(*(asyncio.wait_for(h.metrics_text.remote(), PEER_SCRAPE_S) for h in peers),
+                                       return_exceptions=True)
         texts = [r for r in replies if isinstance(r, bytes)]
         metrics.peer_scrape_failures.inc(len(replies) - len(texts))
         return merge_expositions(own, texts, metrics.per_front)
