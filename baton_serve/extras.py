@@ -8,7 +8,7 @@ from types import ModuleType
 from baton_serve import DISTRIBUTION
 
 # module -> the extra of pyproject.toml that brings it
-EXTRA_OF = {"triton": "triton", "matplotlib": "bench", "transformers": "test", "pytest": "test"}
+EXTRA_OF = {"triton": "triton", "matplotlib": "bench"}
 
 
 class MissingExtraError(ImportError):

@@ -17,6 +17,7 @@ from baton_serve.cluster.metered_client import MeteredClient
 from baton_serve.cluster.metrics import Metrics
 from baton_serve.cluster.metrics_merge import merge_expositions
 from baton_serve.workers.engine.validation import RequestLimits
+from prometheus_client import generate_latest
 
 PEER_SCRAPE_S = 2.0  # a front that does not answer a scrape in time is left out of it (and counted)
 
@@ -72,8 +73,6 @@ def build_front(config: Any, workers: list[WorkerRef], limits: RequestLimits, mo
 
     async def deployment_metrics() -> bytes:
         """This front's metrics with the other fronts' per-front share added (one scrape target)."""
-        from prometheus_client import generate_latest
-
         own = generate_latest(metrics.registry)
         owners = run_owners  # the other fronts' handles live there (several fronts only)
         peers = [h for k, h in owners.fronts.items() if k != owners.front_id] if owners is not None else []
@@ -143,8 +142,6 @@ class HTTPFront:
 
     def metrics_text(self) -> bytes:
         """This front's own exposition, for the front a scrape landed on to add in."""
-        from prometheus_client import generate_latest
-
         return generate_latest(self.metrics.registry)
 
     def stats(self) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def context() -> dict:
     pins = makefile_pins()
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     images = {v.name: f"baton-serve:{version}-{v.name}" for v in VARIANTS}
-    return {**pins, "VERSION": version, "IMAGE_PYTHON": IMAGE_PYTHON, "HEADER": HEADER, "variants": VARIANTS,
+    return {**pins, "VERSION": version, "HEADER": HEADER, "variants": VARIANTS,
             "images": images, "ray_images": {v.name: f"rayproject/ray:{pins['RAY_VERSION']}-{IMAGE_PYTHON}-{v.ray_tag}"
                                              for v in VARIANTS}}
 

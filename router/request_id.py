@@ -40,7 +40,6 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         rid = request_id_from(dict(scope.get("headers") or ()).get(HEADER))
-        scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":

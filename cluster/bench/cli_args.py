@@ -127,9 +127,9 @@ def bench_config(args: argparse.Namespace):  # -> BenchConfig (imported late: st
         num_prompts = None if args.dataset_name == "trace" else 100
     model = getattr(args, "model", None)
     # Baton serves a folder under the model's own name (the folder's, less a cache digest).
+    from baton_serve.workers.checkpoint.default_model import served_name
+
     is_dir = model is not None and Path(model).expanduser().is_dir()
-    if is_dir:
-        from baton_serve.workers.checkpoint.default_model import served_name
     api_name = getattr(args, "served_model_name", None) or (served_name(Path(model).expanduser()) if is_dir
                                                             else model)
     spec = getattr(args, "metric_percentiles", "50,90,99")
