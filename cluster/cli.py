@@ -77,7 +77,8 @@ def _gib_arg(value: str) -> float:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from baton_serve.workers import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+              deterministic=args.deterministic)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop or [])
     start = time.perf_counter()
@@ -106,7 +107,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "server.port": args.port, "pools.prefill": args.prefill, "pools.decode": args.decode,
         "pools.colocated": args.colocated, "ray.address": args.address,
         "engine.threads_per_worker": args.threads_per_worker, "server.model_name": args.served_model_name,
-        "server.log_format": args.log_format,
+        "server.log_format": args.log_format, "engine.deterministic": args.deterministic or None,
         "engine.kv_cache_memory_gib": args.kv_cache_memory_gib, "router.policy": args.routing_policy,
         "server.api_key": args.api_key,
         "server.tenants": str(Path(args.tenants).resolve()) if args.tenants else None,
@@ -245,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model's name(s) in the API; requests may use any, responses carry the first "
                      "(default: the model's own name)")
+    srv.add_argument("--deterministic", action="store_true", default=None,
+                     help="batch-invariant numerics: the same greedy text whatever the batch, and recovered "
+                     "streams equal to undisturbed ones in bf16 too ([engine] deterministic)")
     srv.add_argument("--threads-per-worker", type=_threads_arg, default=None,
                      help="threads per worker, or auto (default): fill the cores each worker is given")
     srv.add_argument("--kv-cache-memory-gib", type=_gib_arg, default=None, metavar="GIB",
@@ -297,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None)
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    gen.add_argument("--deterministic", action="store_true",
+                     help="batch-invariant numerics (see baton serve --deterministic)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=_cmd_generate)
 

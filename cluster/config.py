@@ -32,6 +32,11 @@ class EngineSection(BaseModel):
         "step's budget): a long prompt then takes several steps, and the short prompts and decodes "
         "sharing them wait for a chunk rather than for the whole prompt")
     enable_prefix_caching: bool = True
+    deterministic: bool = Field(
+        False, description="batch-invariant numerics: a prompt's greedy output (and its logprobs, bit for "
+        "bit) does not depend on its batch, the prompt's chunking, or whether its KV was decoded or "
+        "re-prefilled, so recovered and migrated streams equal undisturbed ones in bf16 too; CPU "
+        "workers, bf16 or fp32, full-precision weights (SGLang's --enable-deterministic-inference)")
     scheduling_policy: Literal["fcfs", "priority", "fair"] = Field(
         "fair", description="the workers' waiting queues: fcfs; priority (lower first, with aging); fair: "
         "priority classes, and tenants within a class served by deficit round robin over tokens")

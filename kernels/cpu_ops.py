@@ -28,7 +28,7 @@ __all__ = ["KernelBuildError", "UnsupportedTarget", "available", "build_library"
 log = logging.getLogger("baton.kernels")
 _SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "prefill_attention.c",
                                                                      "elementwise.c", "build_info.c",
-                                                                     "quant_linear.c"))
+                                                                     "quant_linear.c", "invariant_linear.c"))
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name: (restype, argtypes)
     "paged_decode_bf16": (_I, [_P] * 6 + [_I] * 6 + [_F, _I, _I, _I]),
@@ -43,6 +43,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "baton_argmax_f32": (None, [_P, _P, _I64, _I64, _I64, _I]),
     "baton_linear_int8": (_I, [_P] * 5 + [_I64] * 6 + [_I, _I]),
     "baton_linear_int4": (_I, [_P] * 6 + [_I64] * 6 + [_I, _I]),
+    "baton_linear_invariant": (_I, [_P] * 4 + [_I64] * 4 + [_I] * 3),
 }
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from baton_serve.kernels import capabilities, cpu_ops
+from baton_serve.kernels import capabilities, cpu_ops, deterministic
 from baton_serve.kernels.auto_dtype import resolve_dtype
 from baton_serve.kernels.device import resolve_device
 from baton_serve.workers.blocks.prefix_hash import CacheNamespace
@@ -23,6 +23,7 @@ from baton_serve.workers.engine.model_runner import kv_cache_block_bytes
 from baton_serve.workers.engine.output_processor import OutputProcessor
 from baton_serve.workers.engine.outputs import RequestOutput
 from baton_serve.workers.errors import InvalidRequestError, ModelLoadError
+from baton_serve.workers.model.config import ModelConfig
 from baton_serve.workers.model.loader import load_model, parse_dtype, safetensors_files
 from baton_serve.workers.sampling.params import SamplingParams
 from baton_serve.workers.text.tokenizer import Tokenizer
@@ -51,11 +52,18 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
     choice = resolve_dtype(config.dtype, where.device.type)
     config = dataclasses.replace(config, dtype=choice.dtype, device=str(where.device))
     capabilities.log_once(f"{cpu_ops.describe()}; device {where.device} ({where.reason}); dtype {choice.dtype} "
-                          f"({choice.reason}); {torch.get_num_threads()} threads")
+                          f"({choice.reason}); {torch.get_num_threads()} threads"
+                          f"{'; deterministic (batch-invariant) numerics' if config.deterministic else ''}")
     folder = resolve_model(config.model)
     tokenizer = Tokenizer.from_folder(folder)
     dtype = parse_dtype(config.dtype)
-    model = load_model(folder, dtype=dtype, max_positions=config.max_model_len, device=where.device)
+    if config.deterministic:
+        try:
+            deterministic.check(dtype, where.device, ModelConfig.from_folder(folder).head_dim)
+        except deterministic.DeterministicModeError as exc:
+            raise ModelLoadError(str(exc)) from None
+    model = load_model(folder, dtype=dtype, max_positions=config.max_model_len, device=where.device,
+                       deterministic=config.deterministic)
     eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -71,7 +79,9 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
     namespace = CacheNamespace(
         model=folder.name, weights_hash=weights_fingerprint(folder),
         tokenizer_hash=tokenizer.fingerprint(), chat_template_hash=tokenizer.chat_template_fingerprint(),
-        kv_dtype=config.dtype, block_size=config.block_size)
+        kv_dtype=config.dtype, block_size=config.block_size,
+        # KV computed in the deterministic mode is bitwise what a re-prefill gives: never mix it with other KV
+        kv_layout="deterministic" if config.deterministic else "")
     engine = EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace,
                         device=where.device, tokenizer_json=tokenizer.backend.to_str())
     return engine, tokenizer, folder

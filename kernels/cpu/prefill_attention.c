@@ -406,7 +406,10 @@ INLINE void v8_prefill_task(const void *q, const void *kc, const void *vc, const
             sc->l[row] = 0.f;
         }
     const int p0 = base + tk.i0, last = base + tk.i1 - 1;
-    const int first = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    /* key blocks start at multiples of V8_KEYS whatever the chunk (a window's first keys are
+     * masked): a row's online-softmax steps, and so its bits, do not depend on the chunking */
+    int first = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    first -= first % V8_KEYS;
     for (int k0 = first; k0 <= last; k0 += V8_KEYS) {
         const int nk = last + 1 - k0 < V8_KEYS ? last + 1 - k0 : V8_KEYS;
         v8_copy_block(kc, vc, table, tk.h, Hkv, D, BS, k0, nk, bf16, sc->kt, sc->v);

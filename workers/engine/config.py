@@ -59,6 +59,7 @@ class EngineConfig:
     kv_cache_shared: bool = False  # host KV cache in a memfd peers on this machine map (kv_shared)
     num_threads: int | None = None
     seed: int = 0
+    deterministic: bool = False  # batch-invariant numerics (kernels.deterministic)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

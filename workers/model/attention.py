@@ -32,11 +32,17 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Writes this layer's new K/V into the paged cache, then attends over it."""
+    """Writes this layer's new K/V into the paged cache, then attends over it.
+
+    ``deterministic``: decode tokens go through the prefill kernel as one-token chunks, so a
+    position's attention is the same arithmetic whether it was decoded or (re-)prefilled; the
+    prefill kernels walk keys in tiles fixed by absolute position, whatever the chunking.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, deterministic: bool = False) -> None:
         super().__init__()
+        self.deterministic = deterministic
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -50,15 +56,20 @@ class PagedAttention(nn.Module):
         backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decode_tokens
         if meta.num_prefills == 0:
-            return backend.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                self.sliding_window, meta.decode_max_seq_len)
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if d:
-            out[:d] = backend.paged_decode_attention(
-                q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                self.sliding_window, meta.decode_max_seq_len)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
         out[d:] = backend.paged_prefill_attention(
             q[d:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
             meta.prefill_query_start_loc, self.scale, self.sliding_window)
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.deterministic:
+            starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+            return backend.paged_prefill_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_seq_lens, starts, self.scale, self.sliding_window)
+        return backend.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                              self.scale, self.sliding_window, meta.decode_max_seq_len)

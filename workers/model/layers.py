@@ -65,10 +65,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, self._load)
 
-    def pack_weights(self, release_plain: bool = True) -> None:
-        """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``); with
-        ``release_plain`` a packed copy replaces the plain weight."""
-        self.method.pack(self, release_plain)
+    def pack_weights(self, release_plain: bool = True, invariant: bool = False) -> None:
+        """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``; ``invariant``:
+        ``kernels.invariant_linear``); with ``release_plain`` a packed copy replaces the plain weight."""
+        self.method.pack(self, release_plain, invariant)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         idx = 0 if shard_id is None else shard_id
@@ -98,10 +98,10 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, default_weight_loader)
 
-    def pack_weights(self, release_plain: bool = True) -> None:
-        """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``); with
-        ``release_plain`` a packed copy replaces the plain weight."""
-        self.method.pack(self, release_plain)
+    def pack_weights(self, release_plain: bool = True, invariant: bool = False) -> None:
+        """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``; ``invariant``:
+        ``kernels.invariant_linear``); with ``release_plain`` a packed copy replaces the plain weight."""
+        self.method.pack(self, release_plain, invariant)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         divisor = getattr(param, "input_divisor", 1)

@@ -7,7 +7,7 @@ K/V slots each token writes and what it attends to.
 from __future__ import annotations
 
 import torch
-from baton_serve.kernels import backend, packed_linear
+from baton_serve.kernels import backend, invariant_linear, packed_linear
 from baton_serve.kernels.logits import upcast_with_candidates
 from baton_serve.workers.model.attention import AttentionMetadata, PagedAttention
 from baton_serve.workers.model.config import ModelConfig
@@ -26,7 +26,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, deterministic: bool = False) -> None:
         super().__init__()
         if cfg.num_key_value_heads % ctx.tp_size:
             raise ValueError(f"num_key_value_heads {cfg.num_key_value_heads} not divisible by tp {ctx.tp_size}")
@@ -39,7 +39,8 @@ class LlamaAttention(nn.Module):
                                              cfg.attention_bias, ctx, dtype, cfg.quantization)
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, False, ctx, dtype, cfg.quantization)
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window,
+                                   deterministic)
         self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                       self.num_kv_heads * self.head_dim]
 
@@ -69,9 +70,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, deterministic: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, ctx, rotary, dtype)
+        self.self_attn = LlamaAttention(cfg, ctx, rotary, dtype, deterministic)
         self.mlp = LlamaMLP(cfg, ctx, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -94,7 +95,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the fp32 logits."""
+    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the fp32 logits.
+
+    ``deterministic``: every row's numbers depend on that row alone, not on the batch, its place in
+    it, the prompt's chunking or whether the KV came from a decode or a prefill (the engine's
+    deterministic mode; batch-invariant linears and one attention kernel for both phases).
+    """
 
     # checkpoint name fragment -> (our parameter name fragment, shard id)
     stacked_params = (
@@ -106,17 +112,19 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 ctx: ParallelContext | None = None, max_positions: int | None = None) -> None:
+                 ctx: ParallelContext | None = None, max_positions: int | None = None,
+                 deterministic: bool = False) -> None:
         super().__init__()
         ctx = ctx or ParallelContext()
         self.cfg = cfg
         self.dtype = dtype
+        self.deterministic = deterministic
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                  cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, rotary, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, rotary, dtype, deterministic)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # The output projection: the embedding itself when tied, unless the checkpoint quantised
@@ -126,18 +134,22 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings or head_quant is not None:
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, ParallelContext(),
                                                 dtype, head_quant)
-        self._lm_head_packed: torch.Tensor | None = None
+        self._lm_head_packed: torch.Tensor | invariant_linear.InvariantWeight | None = None
 
     def pack_weights(self) -> None:
         """Pack every matmul weight for the CPU (a no-op elsewhere); call once the weights are loaded."""
+        invariant = self.deterministic
         for module in self.modules():
             if module is not self and hasattr(module, "pack_weights"):
                 # the output projection keeps its plain weight: compute_logits reads rows of it
-                module.pack_weights(release_plain=module is not self.lm_head)
+                module.pack_weights(release_plain=module is not self.lm_head, invariant=invariant)
         if self.lm_head is None:
-            self._lm_head_packed = packed_linear.pack(self.embed_tokens.weight)
+            weight = self.embed_tokens.weight
+            self._lm_head_packed = invariant_linear.pack(weight) if invariant else packed_linear.pack(weight)
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._lm_head_packed, invariant_linear.InvariantWeight):
+            return invariant_linear.linear(hidden, self._lm_head_packed)
         if self.lm_head is None:
             return packed_linear.linear(hidden, self.embed_tokens.weight, self._lm_head_packed)
         return self.lm_head(hidden)

@@ -34,9 +34,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                ctx: ParallelContext | None = None, max_positions: int | None = None,
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", deterministic: bool = False) -> LlamaForCausalLM:
     """Build the model from ``config.json``, copy every weight in (all parameters must be filled)
-    and move it to ``device``."""
+    and move it to ``device``; ``deterministic``: batch-invariant numerics (``LlamaForCausalLM``)."""
     folder = Path(folder)
     device = torch.device(device)
     cfg = ModelConfig.from_folder(folder)
@@ -44,7 +44,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(f"{folder}: {cfg.quantization.method} weights have CPU kernels only; serve the "
                              f"full-precision model on {device.type}, or this one with device = 'cpu'")
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, dtype=dtype, ctx=ctx, max_positions=max_positions)
+        model = LlamaForCausalLM(cfg, dtype=dtype, ctx=ctx, max_positions=max_positions,
+                                 deterministic=deterministic)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in safetensors_files(folder):

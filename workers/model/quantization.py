@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from baton_serve.kernels import packed_linear, quant_linear
+from baton_serve.kernels import invariant_linear, packed_linear, quant_linear
 from baton_serve.workers.errors import ModelLoadError
 from torch import nn
 
@@ -74,8 +74,9 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
                        loader: Loader) -> None: ...
 
-    def pack(self, layer: nn.Module, release_plain: bool) -> None:
-        """Prepare the loaded weight for the matmul; ``release_plain`` lets a packed copy replace it."""
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+        """Prepare the loaded weight for the matmul; ``release_plain`` lets a packed copy replace it;
+        ``invariant``: for the deterministic mode's batch-invariant kernel (``kernels.invariant_linear``)."""
         ...
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
@@ -96,6 +97,14 @@ def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dty
     layer.register_parameter(name, p)
 
 
+def _refuse_invariant(invariant: bool, layer: nn.Module) -> None:
+    # The quantised kernels pick a different algorithm by row count (quant_linear.c): not invariant.
+    if invariant:
+        raise ModelLoadError(
+            "deterministic mode runs full-precision weights (bf16 or fp32); this checkpoint is quantised "
+            f"({type(layer.method).__name__.lower()}): serve the full-precision model for it")
+
+
 class FullPrecision:
     """A float ``weight [out, in]`` in the model dtype (packed for the CPU matmul where that pays)."""
 
@@ -104,18 +113,22 @@ class FullPrecision:
         _param(layer, "weight", (out_features, in_features), dtype, loader, 1)
         layer.packed = None
 
-    def pack(self, layer: nn.Module, release_plain: bool) -> None:
-        layer.packed = packed_linear.pack(layer.weight)
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+        layer.packed = invariant_linear.pack(layer.weight) if invariant else packed_linear.pack(layer.weight)
         if layer.packed is not None and release_plain:
             # the packed copy is the weight from now on: keeping both doubled a model's matmul
             # weights in memory (+538 MB per fp32 SmolLM2-135M worker)
             layer.weight.data = layer.weight.data.new_empty((0, layer.weight.shape[1]))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(layer.packed, invariant_linear.InvariantWeight):
+            return invariant_linear.linear(x, layer.packed, bias)
         return packed_linear.linear(x, layer.weight, layer.packed, bias)
 
     def rows(self, layer: nn.Module, index: torch.Tensor) -> torch.Tensor:
         if not layer.weight.numel() and layer.packed is not None:  # released: a slow, exact way back
+            if isinstance(layer.packed, invariant_linear.InvariantWeight):
+                return layer.packed.dense()[index].float()
             return layer.packed.to_dense()[index].float()
         return layer.weight[index].float()
 
@@ -139,8 +152,8 @@ class Int8:
                                  f"group size {g}")
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
 
-    def pack(self, layer: nn.Module, release_plain: bool) -> None:
-        pass
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+        _refuse_invariant(invariant, layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quant_linear.linear_int8(x, layer.qweight, layer.scales, bias)
@@ -166,8 +179,8 @@ class Int4:
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
         _param(layer, "mins", (out_features, in_features // g), torch.float32, loader, g)
 
-    def pack(self, layer: nn.Module, release_plain: bool) -> None:
-        pass
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+        _refuse_invariant(invariant, layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quant_linear.linear_int4(x, layer.qweight, layer.scales, layer.mins, self.group_size, bias)
