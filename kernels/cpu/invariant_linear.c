@@ -29,7 +29,7 @@
 #pragma GCC diagnostic ignored "-Wpsabi" /* wide vectors without AVX: internal functions only */
 
 #define PW 32  /* output columns per panel */
-#define MB 64  /* rows per task: a task's x rows and its panel stay in L2 */
+#define MB 64  /* rows per task: its x rows and its panel stay in L2 */
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -131,7 +131,7 @@ INLINE void tile_fma(const void *x, size_t xs, int r0, int nr, const void *panel
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#define DP_MR 8
+#define DP_MR 12
 
 /* bf16 rows [r0, r0 + nr) x the panel's 32 columns by vdpbf16ps; K even (the caller pads). */
 INLINE void tile_dp(const uint16_t *x, size_t xs, int r0, int nr, const uint32_t *panel, int K, int n0, int N,

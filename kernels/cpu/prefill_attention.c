@@ -135,6 +135,31 @@ INLINE void rows4(const uint32_t *const qrow[4], const uint32_t *kv, const uint3
     }
 }
 
+/* r[j] word i -> r[i] word j: a 16 x 16 transpose of 32-bit words (unpack 32, unpack 64, then
+ * two rounds of 128-bit lane shuffles). */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + e] lane k: word 4k + e of rows i .. i+3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int e = 0; e < 4; e++) {
+            t[h + e] = _mm512_shuffle_i32x4(r[h + e], r[h + 4 + e], 0x88);     /* words e, e + 8 */
+            t[h + 4 + e] = _mm512_shuffle_i32x4(r[h + e], r[h + 4 + e], 0xdd); /* words e + 4, e + 12 */
+        }
+    for (int e = 0; e < 8; e++) {
+        r[e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0xdd);
+    }
+}
+
 INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                              const int32_t *tables, const int32_t *lens, const int32_t *qstart,
                              float *out, prefill_task tk, int Hq, int Hkv, int D, int BS, int MB,
@@ -154,6 +179,8 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
      * word is the even key. Keys past `last` are zeros in both. */
     for (int kt = 0; kt < n_tiles; kt++) {
         uint32_t *tile = kv + (size_t)kt * DP * 16;
+        const int full = first + kt * 16 + 15 <= last; /* 16 real keys: transposed in registers */
+        const uint32_t *krows[16];
         for (int j = 0; j < 16; j++) {
             const int t = first + kt * 16 + j;
             uint32_t *vd = vp + (size_t)(kt * 8 + j / 2) * D;
@@ -167,8 +194,11 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
             const int blk = tables[(size_t)tk.s * MB + t / BS];
             const uint32_t *krow = (const uint32_t *)(kc + (((size_t)blk * BS + t % BS) * Hkv + tk.h) * D);
             const uint16_t *vrow = vc + (((size_t)blk * BS + t % BS) * Hkv + tk.h) * D;
-            for (int pi = 0; pi < DP; pi++)
-                tile[(size_t)pi * 16 + j] = krow[pi];
+            if (full)
+                krows[j] = krow;
+            else
+                for (int pi = 0; pi < DP; pi++)
+                    tile[(size_t)pi * 16 + j] = krow[pi];
             for (int c = 0; c < D; c += 16) {
                 const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + c)));
                 __m512i *dst = (__m512i *)(vd + c);
@@ -176,24 +206,36 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
                                               : w);
             }
         }
-    }
-    for (int g = 0; g < G; g++) {
-        for (int i = tk.i0; i < tk.i1; i += 4) {
-            const int nr = tk.i1 - i < 4 ? tk.i1 - i : 4;
-            const uint32_t *qrow[4];
-            float *orow[4];
-            int qpos[4], lo[4];
-            for (int r = 0; r < 4; r++) {
-                const int ii = i + (r < nr ? r : nr - 1);
-                const size_t row = ((size_t)(qstart[tk.s] + ii) * Hq + (size_t)tk.h * G + g) * D;
-                qrow[r] = (const uint32_t *)(q + row);
-                orow[r] = out + row;
-                qpos[r] = base + ii - first; /* positions relative to the buffers */
-                const int l0 = window > 0 ? base + ii - window + 1 - first : 0;
-                lo[r] = l0 > 0 ? l0 : 0;
+        if (full)
+            for (int c = 0; c < DP; c += 16) { /* D % 32 == 0: whole 16-word columns */
+                __m512i r[16];
+                for (int j = 0; j < 16; j++)
+                    r[j] = _mm512_loadu_si512(krows[j] + c);
+                transpose16(r);
+                for (int pi = 0; pi < 16; pi++)
+                    _mm512_store_si512(tile + (size_t)(c + pi) * 16, r[pi]);
             }
-            rows4(qrow, kv, vp, nr, qpos, lo, scale, D, orow);
+    }
+    /* Rows are (position, head) pairs, the G heads of a position side by side, 4 at a time: a
+     * decode step (one position) sweeps the keys once for up to 4 heads. Grouping never changes
+     * a row's bits: a tile outside a row's keys is an exact no-op for it (scores -inf, rescale
+     * exp(0) = 1, probabilities 0). */
+    const int n_rows = (tk.i1 - tk.i0) * G;
+    for (int i = 0; i < n_rows; i += 4) {
+        const int nr = n_rows - i < 4 ? n_rows - i : 4;
+        const uint32_t *qrow[4];
+        float *orow[4];
+        int qpos[4], lo[4];
+        for (int r = 0; r < 4; r++) {
+            const int idx = i + (r < nr ? r : nr - 1), ii = tk.i0 + idx / G, g = idx % G;
+            const size_t row = ((size_t)(qstart[tk.s] + ii) * Hq + (size_t)tk.h * G + g) * D;
+            qrow[r] = (const uint32_t *)(q + row);
+            orow[r] = out + row;
+            qpos[r] = base + ii - first; /* positions relative to the buffers */
+            const int l0 = window > 0 ? base + ii - window + 1 - first : 0;
+            lo[r] = l0 > 0 ? l0 : 0;
         }
+        rows4(qrow, kv, vp, nr, qpos, lo, scale, D, orow);
     }
 }
 #endif
@@ -216,9 +258,9 @@ INLINE void prefill_task_run(const uint16_t *q, const uint16_t *kc, const uint16
 
 typedef struct {
     float *kt, *v; /* the current key block, layouts above */
-    float *q;      /* the task's queries times scale: q[(g * V8_QROWS + i) * D + d] */
+    float *q;      /* the task's queries times scale: q[(i * G + g) * D + d] */
     float *o;      /* unnormalised outputs, same layout */
-    float *m, *l;  /* running max and sum per row [g * V8_QROWS + i] */
+    float *m, *l;  /* running max and sum per row [i * G + g] */
 } v8_scratch;
 
 INLINE float ld1(const void *p, size_t i, int bf16) {
@@ -317,7 +359,7 @@ INLINE void v8_pv(float *const orow[V8_R], const float corr[V8_R], float P[V8_R]
             v8_store(orow[r] + c + 8 * k, v8acc_get(a[r][k]));
 }
 
-/* Scratch rows row0 .. row0+nr-1 (nr <= V8_R: one head, consecutive positions) against the
+/* Scratch rows row0 .. row0+nr-1 (nr <= V8_R; any heads and positions) against the
  * current key block of nk keys. pos[r] and lo[r] are row r's own position and first visible key,
  * relative to the block's first key. Rows past nr repeat row nr-1: computed, never stored. */
 INLINE void v8_rows(v8_scratch *sc, int row0, int nr, const int pos[V8_R], const int lo[V8_R], int nk,
@@ -394,10 +436,11 @@ INLINE void v8_prefill_task(const void *q, const void *kc, const void *vc, const
     const int L = lens[tk.s];
     const int base = L - (qstart[tk.s + 1] - qstart[tk.s]); /* position of the chunk's first query */
     const int32_t *table = tables + (size_t)tk.s * MB;
+    /* scratch row i * G + g: the G heads of a position side by side (see the AVX-512 kernel) */
     for (int g = 0; g < G; g++)
         for (int i = 0; i < n; i++) {
             const size_t src = ((size_t)(qstart[tk.s] + tk.i0 + i) * Hq + (size_t)tk.h * G + g) * D;
-            const size_t row = (size_t)g * V8_QROWS + i;
+            const size_t row = (size_t)i * G + g;
             for (int d = 0; d < D; d += 8) {
                 v8_store(sc->q + row * D + d, v8_load_kv(q, src + d, bf16) * scale);
                 v8_store(sc->o + row * D + d, v8_zero());
@@ -413,20 +456,19 @@ INLINE void v8_prefill_task(const void *q, const void *kc, const void *vc, const
     for (int k0 = first; k0 <= last; k0 += V8_KEYS) {
         const int nk = last + 1 - k0 < V8_KEYS ? last + 1 - k0 : V8_KEYS;
         v8_copy_block(kc, vc, table, tk.h, Hkv, D, BS, k0, nk, bf16, sc->kt, sc->v);
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < n; i += V8_R) {
-                const int nr = n - i < V8_R ? n - i : V8_R;
-                int pos[V8_R], lo[V8_R];
-                for (int r = 0; r < V8_R; r++) {
-                    pos[r] = p0 + i + (r < nr ? r : nr - 1) - k0;
-                    lo[r] = window > 0 ? pos[r] - window + 1 : -k0;
-                }
-                v8_rows(sc, g * V8_QROWS + i, nr, pos, lo, nk, D);
+        for (int i = 0; i < n * G; i += V8_R) {
+            const int nr = n * G - i < V8_R ? n * G - i : V8_R;
+            int pos[V8_R], lo[V8_R];
+            for (int r = 0; r < V8_R; r++) {
+                pos[r] = p0 + (i + (r < nr ? r : nr - 1)) / G - k0;
+                lo[r] = window > 0 ? pos[r] - window + 1 : -k0;
             }
+            v8_rows(sc, i, nr, pos, lo, nk, D);
+        }
     }
     for (int g = 0; g < G; g++)
         for (int i = 0; i < n; i++) {
-            const size_t row = (size_t)g * V8_QROWS + i;
+            const size_t row = (size_t)i * G + g;
             const float lsum = sc->l[row];
             const v8f inv = v8_set1(lsum > 0.f ? 1.f / lsum : 0.f);
             float *dst = out + ((size_t)(qstart[tk.s] + tk.i0 + i) * Hq + (size_t)tk.h * G + g) * D;

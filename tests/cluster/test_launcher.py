@@ -224,3 +224,16 @@ def test_the_engine_section_reaches_workers_in_the_engine_s_own_names():
     assert "max_prefill_chunk" not in launcher.worker_engine_kwargs(ClusterConfig())
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         ClusterConfig.model_validate({"engine": {"long_prefill_token_threshold": 0}})
+
+
+def test_deterministic_reaches_the_engine_from_the_file_and_the_flag():
+    from baton_serve.cluster.cli import build_parser
+    from baton_serve.workers.engine.config import engine_config
+
+    from_file = ClusterConfig.model_validate({"engine": {"deterministic": True}})
+    assert engine_config(**launcher.worker_engine_kwargs(from_file)).deterministic
+    assert not engine_config(**launcher.worker_engine_kwargs(ClusterConfig())).deterministic
+    args = build_parser().parse_args(["serve", "--deterministic"])
+    assert args.deterministic is True
+    assert build_parser().parse_args(["serve"]).deterministic is None  # unset: the file's value stands
+    assert ClusterConfig().with_overrides(**{"engine.deterministic": args.deterministic}).engine.deterministic

@@ -1,4 +1,6 @@
-"""The batch-invariant linear kernel: a row's bits never depend on the rows beside it."""
+"""The batch-invariant linear kernel: a row's bits never depend on the rows beside it. Run once
+per kernel build this CPU can run (``kernel_target``: native, x86-64-v3, x86-64), so the AVX512_BF16,
+AVX-512, AVX2 and portable paths are each held to it wherever they can execute."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from baton_serve.kernels import cpu_ops, invariant_linear
 from baton_serve.kernels.deterministic import DeterministicModeError
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable")
@@ -20,10 +22,10 @@ def _weights(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return (torch.randn(n, k, generator=g) * 0.05).to(dtype)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 100), k=st.integers(1, 160), m=st.integers(2, 140), dtype=st.sampled_from(DTYPES),
        threads=st.sampled_from([1, 2]), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_row_alone_equals_row_in_any_batch(n: int, k: int, m: int, dtype: torch.dtype, threads: int,
+def test_row_alone_equals_row_in_any_batch(kernel_target, n: int, k: int, m: int, dtype: torch.dtype, threads: int,
                                            bias: bool, seed: int) -> None:
     w = _weights(n, k, dtype, seed)
     b = _weights(1, n, dtype, seed + 1)[0] if bias else None
@@ -43,7 +45,7 @@ def test_row_alone_equals_row_in_any_batch(n: int, k: int, m: int, dtype: torch.
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (577, 70), (64, 384)])
-def test_matches_float64_within_the_summation_bound(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+def test_matches_float64_within_the_summation_bound(kernel_target, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     k, n = shape
     w = _weights(n, k, dtype, 0)
     x = _weights(37, k, dtype, 1) * 20
@@ -57,7 +59,7 @@ def test_matches_float64_within_the_summation_bound(dtype: torch.dtype, shape: t
     assert ((F.linear(x, w).double() - exact).abs() <= bound + 1e-30).all()  # the bound is not loose for us alone
 
 
-def test_more_rows_than_a_task_and_wider_than_a_panel() -> None:
+def test_more_rows_than_a_task_and_wider_than_a_panel(kernel_target) -> None:
     w = _weights(200, 96, torch.bfloat16, 3)
     x = _weights(300, 96, torch.bfloat16, 4) * 20
     packed = invariant_linear.pack(w)
