@@ -41,8 +41,8 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "baton_logits_candidates": (_I, [_P] * 4 + [_I64, _I64, _I64, _F, _I]),
     "baton_write_kv": (_I, [_P] * 5 + [_I64] * 5 + [_I, _I]),
     "baton_argmax_f32": (None, [_P, _P, _I64, _I64, _I64, _I]),
-    "baton_linear_int8": (_I, [_P] * 5 + [_I64] * 6 + [_I, _I]),
-    "baton_linear_int4": (_I, [_P] * 6 + [_I64] * 6 + [_I, _I]),
+    "baton_linear_int8": (_I, [_P] * 5 + [_I64] * 6 + [_I, _I, _I]),
+    "baton_linear_int4": (_I, [_P] * 6 + [_I64] * 6 + [_I, _I, _I]),
     "baton_linear_invariant": (_I, [_P] * 4 + [_I64] * 4 + [_I] * 3),
 }
 _lock = threading.Lock()

@@ -54,6 +54,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from baton_serve.kernels import cpu_ops
+from baton_serve.kernels.deterministic import DeterministicModeError
 
 __all__ = [
     "GROUP_SIZES", "dequantize_int4", "dequantize_int8", "linear_int4", "linear_int4_reference", "linear_int8",
@@ -226,9 +227,11 @@ def _int8_native_scales(scales: torch.Tensor, n: int, k: int) -> tuple[int, int]
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """``x [..., K] @ dequantize_int8(qweight, scales).T + bias -> [..., N]`` in x's dtype (scales
-    ``[N]`` per channel or ``[N, G]`` per group); same semantics as ``linear_int8_reference``."""
+    ``[N]`` per channel or ``[N, G]`` per group); same semantics as ``linear_int8_reference``.
+    ``invariant``: a row's result does not depend on the other rows (the deterministic mode; raises
+    ``DeterministicModeError`` where only the reference could run it)."""
     shape = qweight.shape
     if qweight.dtype == torch.int8 and len(shape) == 2 and x.dim() and x.shape[-1] == shape[1]:
         n, k = shape
@@ -239,15 +242,16 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             lib, dt, xc, m, out = io
             if not lib.baton_linear_int8(xc.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
                                          None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, g,
-                                         ldq, lds, dt, torch.get_num_threads()):
+                                         ldq, lds, dt, torch.get_num_threads(), int(invariant)):
                 return out
+    _no_invariant_reference(invariant, "int8", x)
     return linear_int8_reference(x, qweight, scales, bias)
 
 
 def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """``x [..., K] @ dequantize_int4(qweight, scales, mins, group_size).T + bias -> [..., N]`` in
-    x's dtype; same semantics as ``linear_int4_reference``."""
+    x's dtype; same semantics as ``linear_int4_reference``; ``invariant`` as for ``linear_int8``."""
     shape = qweight.shape
     if (qweight.dtype == torch.uint8 and len(shape) == 2 and group_size in GROUP_SIZES and x.dim()
             and x.shape[-1] == 2 * shape[1] and not x.shape[-1] % group_size):
@@ -260,6 +264,14 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mi
             lib, dt, xc, m, out = io
             if not lib.baton_linear_int4(xc.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(),
                                          None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
-                                         group_size, ldq, lds, dt, torch.get_num_threads()):
+                                         group_size, ldq, lds, dt, torch.get_num_threads(), int(invariant)):
                 return out
+    _no_invariant_reference(invariant, "int4", x)
     return linear_int4_reference(x, qweight, scales, mins, group_size, bias)
+
+
+def _no_invariant_reference(invariant: bool, method: str, x: torch.Tensor) -> None:
+    # The reference is F.linear on the dequantised weight: its blocking follows the batch.
+    if invariant and x.numel():
+        raise DeterministicModeError(f"deterministic mode: no native {method} kernel runs this call "
+                                     f"(x {x.dtype} {tuple(x.shape)} on {x.device})")

@@ -41,7 +41,7 @@
 #define NV 2            /* vectors per column group */
 #define CG (NV * VW)    /* columns per group: 32, 16 or 8 (divides PW) */
 #if VW == 16
-#define MR 8            /* rows per micro-tile: MR x NV accumulators */
+#define MR 12           /* rows per micro-tile: MR x NV accumulators */
 #else
 #define MR 4
 #endif

@@ -919,18 +919,21 @@ static int gemm(const void *x, const void *q, int64_t ldq, const float *scales, 
 /* ---- entry points ----------------------------------------------------------------------------- */
 
 /* out [M, N] = x [M, K] . dequant(q [N, K], scales)^T + bias [N] (bias may be NULL); x, bias, out
- * of dtype dt (0 fp32, 1 bf16) and contiguous; q's rows are ldq >= K bytes apart (a view narrowed
+ * of dtype dt (0 fp32, 1 bf16) and contiguous; invariant: the GEMM for every M (its sums run over k
+ * in one order per output, so a row's bits do not depend on M; the dot tiles reduce across lanes); q's rows are ldq >= K bytes apart (a view narrowed
  * along K). g == K: per channel, channel n's scale at scales[n * lds]; else group-wise, g a
  * multiple of 32 dividing K, scales [N, K/g] with rows lds >= K/g floats apart. Returns 0, or -1
  * (nothing written) when out of memory or for a group size it cannot run. */
 int baton_linear_int8(const void *x, const int8_t *q, const float *scales, const void *bias, void *out,
-                      int64_t M, int64_t N, int64_t K, int64_t g, int64_t ldq, int64_t lds, int dt, int nthreads) {
+                      int64_t M, int64_t N, int64_t K, int64_t g, int64_t ldq, int64_t lds, int dt, int nthreads,
+                      int invariant) {
     if (M <= 0 || N <= 0)
         return 0;
     if (g != K && (g <= 0 || g % 32 || K % g))
         return -1;
+    const int use_gemm = invariant || M >= (g == K ? QL_GEMM_MIN_M_INT8 : QL_GEMM_MIN_M_INT8G);
 #ifdef HAVE_BF16_GEMM
-    if (dt && K % 32 == 0 && M >= (g == K ? QL_GEMM_MIN_M_INT8 : QL_GEMM_MIN_M_INT8G))
+    if (dt && K % 32 == 0 && use_gemm)
         return gemm(x, q, ldq, scales, NULL, lds, bias, out, M, N, K, g, dt, nthreads, 1);
 #endif
     float *xbuf;
@@ -938,7 +941,7 @@ int baton_linear_int8(const void *x, const int8_t *q, const float *scales, const
     if (!xf)
         return -1;
     int rc = 0;
-    if (M >= (g == K ? QL_GEMM_MIN_M_INT8 : QL_GEMM_MIN_M_INT8G)) {
+    if (use_gemm) {
         rc = gemm(xf, q, ldq, scales, NULL, lds, bias, out, M, N, K, g, dt, nthreads, 0);
     } else {
         const int64_t tiles = (N + C - 1) / C;
@@ -957,13 +960,14 @@ int baton_linear_int8(const void *x, const int8_t *q, const float *scales, const
  * floats. Same dtypes and return as baton_linear_int8 (and -1 for a group size it cannot run). */
 int baton_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                       void *out, int64_t M, int64_t N, int64_t K, int64_t g, int64_t ldq, int64_t lds, int dt,
-                      int nthreads) {
+                      int nthreads, int invariant) {
     if (M <= 0 || N <= 0)
         return 0;
     if (g <= 0 || g % 32 || K % g)
         return -1;
+    const int use_gemm = invariant || M >= QL_GEMM_MIN_M_INT4;
 #ifdef HAVE_BF16_GEMM
-    if (dt && M >= QL_GEMM_MIN_M_INT4) /* K % g == 0 and g % 32 == 0: K is a multiple of 32 */
+    if (dt && use_gemm) /* K % g == 0 and g % 32 == 0: K is a multiple of 32 */
         return gemm(x, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads, 1);
 #endif
     float *xbuf;
@@ -971,7 +975,7 @@ int baton_linear_int4(const void *x, const uint8_t *q, const float *scales, cons
     if (!xf)
         return -1;
     int rc = 0;
-    if (M >= QL_GEMM_MIN_M_INT4) {
+    if (use_gemm) {
         rc = gemm(xf, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads, 0);
     } else if (M >= QL_ROWS_MIN_M_INT4) {
         rc = i4_deq_rows(xf, q, ldq, scales, mins, lds, bias, out, M, N, K, g, dt, nthreads);

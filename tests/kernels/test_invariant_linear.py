@@ -96,3 +96,43 @@ def test_refuses_what_it_cannot_run() -> None:
     packed = invariant_linear.pack(torch.zeros(4, 8))
     with pytest.raises(ValueError, match="8"):
         invariant_linear.linear(torch.zeros(2, 7), packed)
+
+
+QUANT = [("int8", 0), ("int8", 32), ("int4", 32), ("int4", 64)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(QUANT), n=st.integers(1, 70), k_groups=st.integers(1, 5), m=st.integers(2, 40),
+       dtype=st.sampled_from(DTYPES), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_quantised_rows_alone_equal_rows_in_any_batch(kernel_target, case, n: int, k_groups: int, m: int,
+                                                     dtype: torch.dtype, bias: bool, seed: int) -> None:
+    """int8 and int4 with ``invariant``: one kernel (the GEMM) for every row count, so a decode row
+    and the same row inside a prefill agree bit for bit (without it, the dot tiles below 12 rows
+    and the GEMM above sum in different orders)."""
+    from baton_serve.kernels import quant_linear as ql
+
+    method, group = case
+    k = k_groups * 64
+    w = _weights(n, k, torch.float32, seed)
+    b = _weights(1, n, dtype, seed + 1)[0] if bias else None
+    x = _weights(m, k, dtype, seed + 2) * 20
+    if method == "int8":
+        q, s = ql.quantize_int8(w, group)
+        run = lambda rows: ql.linear_int8(rows, q, s, b, invariant=True)  # noqa: E731
+    else:
+        q, s, mins = ql.quantize_int4(w, group)
+        run = lambda rows: ql.linear_int4(rows, q, s, mins, group, b, invariant=True)  # noqa: E731
+    batched = run(x)
+    assert torch.equal(batched, torch.cat([run(x[i:i + 1]) for i in range(m)]))
+    reference = (ql.linear_int8_reference(x, q, s, b) if method == "int8"
+                 else ql.linear_int4_reference(x, q, s, mins, group, b))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(batched.float(), reference.float(), rtol=tol, atol=tol * float(reference.abs().max()))
+
+
+def test_quantised_invariant_refuses_the_reference() -> None:
+    from baton_serve.kernels import quant_linear as ql
+
+    q, s = ql.quantize_int8(torch.randn(8, 64), 0)
+    with pytest.raises(DeterministicModeError, match="int8"):
+        ql.linear_int8(torch.randn(2, 64, dtype=torch.float16), q, s, invariant=True)  # fp16: reference only

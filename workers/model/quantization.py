@@ -97,14 +97,6 @@ def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dty
     layer.register_parameter(name, p)
 
 
-def _refuse_invariant(invariant: bool, layer: nn.Module) -> None:
-    # The quantised kernels pick a different algorithm by row count (quant_linear.c): not invariant.
-    if invariant:
-        raise ModelLoadError(
-            "deterministic mode runs full-precision weights (bf16 or fp32); this checkpoint is quantised "
-            f"({type(layer.method).__name__.lower()}): serve the full-precision model for it")
-
-
 class FullPrecision:
     """A float ``weight [out, in]`` in the model dtype (packed for the CPU matmul where that pays)."""
 
@@ -153,10 +145,10 @@ class Int8:
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
 
     def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
-        _refuse_invariant(invariant, layer)
+        layer.invariant = invariant
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return quant_linear.linear_int8(x, layer.qweight, layer.scales, bias)
+        return quant_linear.linear_int8(x, layer.qweight, layer.scales, bias, getattr(layer, "invariant", False))
 
     def rows(self, layer: nn.Module, index: torch.Tensor) -> torch.Tensor:
         return quant_linear.dequantize_int8(layer.qweight[index], layer.scales[index])
@@ -180,10 +172,11 @@ class Int4:
         _param(layer, "mins", (out_features, in_features // g), torch.float32, loader, g)
 
     def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
-        _refuse_invariant(invariant, layer)
+        layer.invariant = invariant
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return quant_linear.linear_int4(x, layer.qweight, layer.scales, layer.mins, self.group_size, bias)
+        return quant_linear.linear_int4(x, layer.qweight, layer.scales, layer.mins, self.group_size, bias,
+                                        getattr(layer, "invariant", False))
 
     def rows(self, layer: nn.Module, index: torch.Tensor) -> torch.Tensor:
         return quant_linear.dequantize_int4(layer.qweight[index], layer.scales[index], layer.mins[index],

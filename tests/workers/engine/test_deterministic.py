@@ -113,13 +113,23 @@ def test_default_model_fifteen_concurrent_prompts(default_model_dir: Path) -> No
         assert alone.outputs[0].logprobs == together[i].outputs[0].logprobs
 
 
-def test_refuses_what_it_cannot_make_invariant(tiny_model_dir: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method,group", [("int8", 32), ("int4", 32)])
+def test_quantised_weights_too(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, dtype: str,
+                               method: str, group: int) -> None:
+    quantised = quantize_folder(tiny_model_dir, tmp_path_factory.mktemp(method) / "q", method, group)
+    llm = _llm(quantised, dtype, max_num_batched_tokens=16, max_num_seqs=32)
+    target, others = _prompts(1, seed=11)[0], _prompts(16, seed=12)
+    alone = _result(llm.generate([target], _params())[0])
+    assert _result(llm.generate(others[:8] + [target] + others[8:], _params())[8]) == alone
+    full = alone[0]
+    again = llm.generate([target + full[:4]], SamplingParams(temperature=0.0, max_tokens=TOKENS - 4,
+                                                             ignore_eos=True, logprobs=5))[0].outputs[0]
+    assert list(again.token_ids) == full[4:] and again.logprobs == alone[1][4:]
+
+
+def test_refuses_what_it_cannot_make_invariant(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModelLoadError, match="bfloat16 or float32"):
         LLM(model=str(tiny_model_dir), dtype="float16", deterministic=True)
-    quantised = quantize_folder(tiny_model_dir, tmp_path / "q8", "int8")
-    with pytest.raises(ModelLoadError, match="full-precision"):
-        LLM(model=str(quantised), dtype="bfloat16", deterministic=True)
     monkeypatch.setenv("BATON_KERNEL_BACKEND", "torch")
     with pytest.raises(ModelLoadError, match="BATON_KERNEL_BACKEND=torch"):
         LLM(model=str(tiny_model_dir), dtype="bfloat16", deterministic=True)
