@@ -43,7 +43,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_TILES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -55,7 +55,10 @@ def _decode_kernel(
         lo = tl.maximum(seq_len - window, 0)
     # Tiles start on BLOCK_N multiples so every split sees whole, aligned tiles.
     first = (lo // BLOCK_N) * BLOCK_N
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    if SPLIT_TILES > 0:  # batch-invariant: a split's keys depend on the sequence alone
+        tiles_per_split = SPLIT_TILES
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
     start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
 
@@ -104,7 +107,7 @@ def _decode_kernel(
         m_i = m_new
 
     row_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and SPLIT_TILES == 0:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -123,7 +126,7 @@ def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
     stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, IN_ORDER: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -136,12 +139,25 @@ def _merge_splits_kernel(
     m_max = tl.max(m, 0)
     # Empty splits carry m = -inf and get weight exp2(-inf) = 0.
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
-    )
-    num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(denom * w, 0)
+    if IN_ORDER:
+        # Split by split, in order: a sequence's trailing empty splits add exact zeros, so how
+        # many splits the batch's longest sequence needs cannot change its sums (a tree
+        # reduction over BLOCK_SPLITS lanes could).
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+        num = tl.zeros([BLOCK_D], dtype=tl.float32)
+        den = tl.sum(num, 0)
+        for sp in range(NUM_SPLITS):
+            ws = tl.exp2(tl.load(part_m_ptr + base + sp) - m_ref)
+            num += tl.load(part_acc_ptr + (base + sp) * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0) * ws
+            den += tl.load(part_l_ptr + base + sp) * ws
+    else:
+        acc = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
+        )
+        num = tl.sum(acc * w[:, None], 0)
+        den = tl.sum(denom * w, 0)
     out = num / tl.where(den == 0.0, 1.0, den)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
@@ -173,12 +189,15 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_decode_attention``.
 
     ``num_splits`` forces the number of key splits (1 = single pass); ``None`` picks it from the
     batch shape and ``max_seq_len`` (or, without that hint, the block table width, so no host
-    sync is needed). Sequences with ``seq_lens == 0`` produce zeros.
+    sync is needed). Sequences with ``seq_lens == 0`` produce zeros. ``split_keys`` (a multiple of
+    64) fixes the keys per split instead, and the merge runs split by split: a sequence's output
+    then does not depend on the other sequences of the batch (the deterministic mode's property).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -191,6 +210,14 @@ def paged_decode_attention(
     query = last_dim_contiguous(query)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache need a contiguous head dim")
+    split_tiles = 0
+    if split_keys is not None:
+        if split_keys < _BLOCK_N or split_keys % _BLOCK_N:
+            raise ValueError(f"split_keys must be a positive multiple of {_BLOCK_N}, got {split_keys}")
+        split_tiles = split_keys // _BLOCK_N
+        # enough splits for the longest context the tables can hold (+1: a window's first tile
+        # starts below its first key)
+        num_splits = math.ceil(block_tables.shape[1] * block_size / split_keys) + 1
     if num_splits is None:
         hint = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         if sliding_window is not None:  # only the window's keys are read, however long the context
@@ -201,7 +228,8 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
-    if num_splits > 1:
+    merged = num_splits > 1 or split_tiles > 0
+    if merged:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=query.device,
                                dtype=torch.float32)
         part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
@@ -221,14 +249,14 @@ def paged_decode_attention(
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
         NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
         DOT_DTYPE=dot_dtype(_decode_kernel, k_cache.dtype), DOT_PRECISION=dot_precision(k_cache.dtype),
-        num_warps=4, num_stages=2,
+        SPLIT_TILES=split_tiles, num_warps=4, num_stages=2,
     )
-    if num_splits > 1:
+    if merged:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=next_pow2(num_splits), BLOCK_D=block_d,
+            BLOCK_SPLITS=next_pow2(num_splits), BLOCK_D=block_d, IN_ORDER=split_tiles > 0,
             num_warps=4,
         )
     return out

@@ -18,7 +18,11 @@
  * Built without -fassociative-math (the pragma below): that flag lets the compiler re-associate
  * the k loop differently in each unrolled variant, which is the very thing this file rules out.
  */
+#if defined(__clang__)
+#pragma clang fp reassociate(off)
+#else
 #pragma GCC optimize("no-associative-math")
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
