@@ -162,6 +162,15 @@ def _decode(run: Run, name: str, seqs: int, context: int, splits: Sequence[int |
     want = run.ref.paged_decode_attention(*args(0), None, max(lens))
     for n in splits:
         run.check(f"{name}_splits{n}", run.tri.paged_decode_attention(*args(0), None, max(lens), n), want)
+    # The deterministic mode's fixed split size: right, and a sequence's output alone is bitwise
+    # its output inside the batch (the automatic split count follows the batch).
+    fixed = run.tri.paged_decode_attention(*args(0), None, max(lens), None, 512)
+    run.check(f"{name}_split_keys512", fixed, want)
+    q, k, v, tables, seq_lens, scale = args(0)
+    alone = run.tri.paged_decode_attention(q[:1], k, v, tables[:1], seq_lens[:1], scale, None, None, None, 512)
+    key = f"{name}_split_keys512_batch_invariant"
+    run.checks[key] = _compare(torch, fixed[:1], alone, atol=0.0, rtol=0.0)
+    print(f"check {key:<28} {'ok' if run.checks[key]['ok'] else 'FAIL'} bitwise", flush=True)
     window = max(1, context // 3)
     run.check(f"{name}_window", run.tri.paged_decode_attention(*args(0), window, max(lens)),
               run.ref.paged_decode_attention(*args(0), window, max(lens)))
