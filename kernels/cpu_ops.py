@@ -106,8 +106,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_decode_attention``; fp32 accumulation."""
+    """Same contract as ``kernels.reference.paged_decode_attention``; fp32 accumulation (one pass
+    over the keys: ``num_splits`` and ``split_keys`` are ignored)."""
     num_seqs, hq, d = query.shape
     hkv = k_cache.shape[2]
     if not supports(k_cache) or hq % hkv or hq // hkv > 16 or num_seqs == 0:

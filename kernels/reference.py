@@ -70,13 +70,15 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last position): ``query [S, Hq, D] -> [S, Hq, D]``.
 
     ``max_seq_len`` is an optional host-side hint (max of ``seq_lens``) that saves a sync.
-    ``num_splits`` is a tuning knob of the split-K Triton kernel, accepted and ignored here.
+    ``num_splits`` and ``split_keys`` are knobs of the split-K Triton kernel (how many splits, or a
+    fixed size per split), accepted and ignored here: one pass over the keys.
     """
-    del num_splits
+    del num_splits, split_keys
     num_seqs, hq, d = query.shape
     hkv = k_cache.shape[2]
     if max_seq_len is None:
