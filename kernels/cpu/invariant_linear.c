@@ -7,13 +7,14 @@
  * The weight is packed once (kernels/invariant_linear.py) into panels of 32 output columns:
  *   bf16: uint32 [N/32][K/2][32], word = W[n][2p] | W[n][2p+1] << 16 (a pair of k per word)
  *   fp32: float  [N/32][K][32]
- * (N padded to 32 and K to 2 with zeros). Vectors run across output columns, so no sum is ever
+ * (N padded to 32, and for bf16 K to 2, with zeros). Vectors run across output columns, so no sum is ever
  * split across lanes or reduced horizontally; a micro-tile of MR rows shares each weight load.
  *
  * bf16 with AVX512_BF16: vdpbf16ps adds each k pair's two products to the fp32 sum (the same
  * instruction on every row). bf16 elsewhere and fp32: one FMA per k (bf16 products are exact in
- * fp32, so for bf16 the two paths differ only in how the pair's sum rounds). Outputs are rounded
- * to bf16 once, after the bias.
+ * fp32, so for bf16 the two paths differ only in how the pair's sum rounds). bf16 outputs are
+ * rounded once, after the bias. MR = 12 on AVX-512 (24 accumulators of 32 registers); 4 on AVX2,
+ * where 6 measured slower in fp32.
  *
  * Built without -fassociative-math (the pragma below): that flag lets the compiler re-associate
  * the k loop differently in each unrolled variant, which is the very thing this file rules out.
