@@ -10,6 +10,7 @@ torch ops whose blocking follows the batch, so the mode refuses to start there i
 from __future__ import annotations
 
 import torch
+from baton_serve.kernels import backend, cpu_ops
 
 
 class DeterministicModeError(RuntimeError):
@@ -18,8 +19,6 @@ class DeterministicModeError(RuntimeError):
 
 def check(dtype: torch.dtype, device: torch.device, head_dim: int) -> None:
     """Raise ``DeterministicModeError`` naming the setting to change unless the mode can run here."""
-    from baton_serve.kernels import backend, cpu_ops
-
     if device.type != "cpu":
         raise DeterministicModeError(
             f"deterministic mode runs on CPU workers (device = 'cpu'); on {device.type} the matmuls are "

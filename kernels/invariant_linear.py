@@ -6,10 +6,9 @@ down_proj, K = 1536, bf16: 1-2 rows in 40 differ between M = 1 and M >= 7; fp32 
 differs at every M > 1). ``kernels/cpu/invariant_linear.c`` sums every output over k in one fixed
 order, so a row's bits depend on that row and the weight alone.
 
-``pack`` lays a ``[N, K]`` weight out once in the kernel's panels; ``linear`` runs it. Where the
-native kernels cannot run (no compiler) ``linear`` computes row by row through ``F.linear`` at one
-row, whose result does not depend on the batch either (slow; the engine refuses the mode there
-rather than take it: ``kernels.deterministic.check``).
+``pack`` lays a ``[N, K]`` weight out once in the kernel's panels; ``linear`` runs it. There is no
+torch fallback: the engine refuses the mode where the native kernels cannot run
+(``kernels.deterministic.check``).
 """
 
 from __future__ import annotations
@@ -61,12 +60,6 @@ def pack(weight: torch.Tensor) -> InvariantWeight:
     return InvariantWeight(panels, n, k, weight.dtype)
 
 
-def _rowwise(x: torch.Tensor, weight: InvariantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    w = weight.dense()
-    rows = [F.linear(x[i:i + 1], w, bias) for i in range(x.shape[0])]
-    return torch.cat(rows) if rows else x.new_empty((0, weight.out_features))
-
-
 def linear(x: torch.Tensor, weight: InvariantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` in ``weight``'s dtype (x of another dtype is cast to it and the
     result cast back), each output summed over k in one order whatever the batch."""
@@ -85,7 +78,7 @@ def linear(x: torch.Tensor, weight: InvariantWeight, bias: torch.Tensor | None =
         x2 = F.pad(x2, (0, 1))  # the panels' k pairs end in a zero; so must x
     lib = cpu_ops.library() if x2.is_cpu else None
     if lib is None:
-        return _rowwise(x.reshape(-1, k), weight, bias).view(*lead, n)
+        raise DeterministicModeError("the invariant linear kernel needs Baton's native CPU kernels and a CPU tensor")
     b = None if bias is None else bias.float().contiguous()
     out = torch.empty((x2.shape[0], n), dtype=weight.dtype)
     stride = x2.stride(0) if x2.shape[0] > 1 else x2.shape[1]

@@ -135,15 +135,13 @@ def _merge_splits_kernel(
     s_mask = offs_s < NUM_SPLITS
     part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + offs_s
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    denom = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     # Empty splits carry m = -inf and get weight exp2(-inf) = 0.
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     if IN_ORDER:
         # Split by split, in order: a sequence's trailing empty splits add exact zeros, so how
         # many splits the batch's longest sequence needs cannot change its sums (a tree
         # reduction over BLOCK_SPLITS lanes could).
-        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
         base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
         num = tl.zeros([BLOCK_D], dtype=tl.float32)
         den = tl.sum(num, 0)
@@ -152,6 +150,8 @@ def _merge_splits_kernel(
             num += tl.load(part_acc_ptr + (base + sp) * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0) * ws
             den += tl.load(part_l_ptr + base + sp) * ws
     else:
+        w = tl.exp2(m - m_ref)
+        denom = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
         acc = tl.load(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
             mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from baton_serve.kernels import backend
@@ -29,6 +30,12 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return int(self.prefill_seq_lens.shape[0])
+
+    @cached_property
+    def decode_query_start_loc(self) -> torch.Tensor:
+        """``[D + 1]`` int32 offsets of the decode tokens as one-token chunks (the deterministic
+        mode's decode through the prefill kernel); built once per forward, shared by the layers."""
+        return torch.arange(self.num_decode_tokens + 1, dtype=torch.int32, device=self.slot_mapping.device)
 
 
 class PagedAttention(nn.Module):
@@ -68,8 +75,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         if self.deterministic:
-            starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-            return backend.paged_prefill_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_seq_lens, starts, self.scale, self.sliding_window)
+            return backend.paged_prefill_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                                   meta.decode_query_start_loc, self.scale, self.sliding_window)
         return backend.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                               self.scale, self.sliding_window, meta.decode_max_seq_len)
