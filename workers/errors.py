@@ -53,3 +53,8 @@ class OverloadedError(BatonError, RuntimeError):
 class WorkerLostError(BatonError, RuntimeError):
     """A worker holding the request died and the request could not continue elsewhere (its
     migrations ran out, or no healthy worker was left): the HTTP front answers 503."""
+
+
+class TensorParallelError(BatonError, RuntimeError):
+    """A tensor-parallel replica lost a rank (died, timed out, or its group broke): the replica is
+    down as a whole and its requests are recovered like any dead worker's."""

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,12 @@ from baton_serve.workers.engine.output_processor import OutputProcessor
 from baton_serve.workers.engine.outputs import RequestOutput
 from baton_serve.workers.errors import InvalidRequestError, ModelLoadError
 from baton_serve.workers.model.config import ModelConfig
+from baton_serve.workers.model.layers import ParallelContext
 from baton_serve.workers.model.loader import load_model, parse_dtype, safetensors_files
+from baton_serve.workers.node import node_address
+from baton_serve.workers.parallel.executor import TPExecutor
+from baton_serve.workers.parallel.rank import RankSpec
+from baton_serve.workers.parallel.sizes import TensorParallelSizeError, check_tensor_parallel_size
 from baton_serve.workers.sampling.params import SamplingParams
 from baton_serve.workers.text.tokenizer import Tokenizer
 
@@ -62,7 +68,40 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
             deterministic.check(dtype, where.device, ModelConfig.from_folder(folder).head_dim)
         except deterministic.DeterministicModeError as exc:
             raise ModelLoadError(str(exc)) from None
-    model = load_model(folder, dtype=dtype, max_positions=config.max_model_len, device=where.device,
+    tensor_parallel = start_tensor_parallel(config, folder, where.device)
+    try:
+        engine = _build_core(config, folder, tokenizer, dtype, where, tensor_parallel)
+    except BaseException:
+        if tensor_parallel is not None:
+            tensor_parallel.close()
+        raise
+    return engine, tokenizer, folder
+
+
+def start_tensor_parallel(config: EngineConfig, folder: Path, device: torch.device,
+                          host: str | None = None) -> TPExecutor | None:
+    """Ranks 1..N-1 of this replica, started and joined (None without tensor parallelism); a size
+    the model cannot be split into raises ``ModelLoadError`` naming the sizes that work."""
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        return None
+    try:
+        check_tensor_parallel_size(ModelConfig.from_folder(folder), tp)
+    except TensorParallelSizeError as exc:
+        raise ModelLoadError(f"{folder.name}: {exc}") from None
+    base = RankSpec({}, 0, str(folder), config.dtype, str(device), config.max_model_len, config.deterministic,
+                    config.num_threads)
+    ray_backend = config.distributed_executor_backend == "ray"
+    if host is None:
+        host = node_address() if ray_backend else "127.0.0.1"
+    options = {"num_cpus": float(config.num_threads or 1)} if ray_backend else {}
+    return TPExecutor(tp, base, backend=config.distributed_executor_backend, host=host, **options)
+
+
+def _build_core(config: EngineConfig, folder: Path, tokenizer: Tokenizer, dtype: torch.dtype, where: Any,
+                tensor_parallel: TPExecutor | None) -> EngineCore:
+    ctx = None if tensor_parallel is None else ParallelContext(config.tensor_parallel_size, 0, tensor_parallel.group)
+    model = load_model(folder, dtype=dtype, ctx=ctx, max_positions=config.max_model_len, device=where.device,
                        deterministic=config.deterministic)
     eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
     if config.num_kv_blocks is not None:
@@ -82,9 +121,8 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
         kv_dtype=config.dtype, block_size=config.block_size,
         # KV computed in the deterministic mode is bitwise what a re-prefill gives: never mix it with other KV
         kv_layout="deterministic" if config.deterministic else "")
-    engine = EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace,
-                        device=where.device, tokenizer_json=tokenizer.backend.to_str())
-    return engine, tokenizer, folder
+    return EngineCore(model, config, num_blocks, eos_token_ids=eos, namespace=namespace, device=where.device,
+                      tokenizer_json=tokenizer.backend.to_str(), tensor_parallel=tensor_parallel)
 
 
 class LLM:
@@ -98,6 +136,12 @@ class LLM:
         self.config = self.engine.config  # dtype resolved
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # a tensor-parallel engine's other ranks stop with this object, or at exit
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks now (they stop on their own at exit)."""
+        self._finalizer()
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

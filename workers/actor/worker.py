@@ -65,6 +65,9 @@ class Worker:
                  front_secret: str = "", verify_kv: bool = True, incarnation: int = 0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if role != "colocated" and int(engine.get("tensor_parallel_size", 1)) > 1:
+            # KV connectors ship one cache per worker; resharding between TP replicas is not built yet
+            raise ValueError(f"tensor_parallel_size > 1 is supported for colocated workers only, not {role!r}")
         order = connector_order(kv_transport)  # ValueError naming the known ones
         # None: the cores of the machine this worker landed on (threads_per_worker = "auto" on a
         # cluster without CPU reservations)

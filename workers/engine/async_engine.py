@@ -164,6 +164,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()  # a tensor-parallel replica's other ranks
 
     @property
     def is_alive(self) -> bool:

@@ -60,6 +60,8 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     deterministic: bool = False  # batch-invariant numerics (kernels.deterministic)
+    tensor_parallel_size: int = 1  # ranks the model is split across (workers.parallel)
+    distributed_executor_backend: str = "mp"  # where ranks 1..N-1 run: "mp" (processes here) or "ray" (actors)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -79,6 +81,12 @@ class EngineConfig:
                  self.gpu_memory_utilization)
         check_device_name(self.device)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        _require(self.distributed_executor_backend in ("mp", "ray"), "distributed_executor_backend",
+                 "'mp' or 'ray'", self.distributed_executor_backend)
+        _require(self.tensor_parallel_size == 1 or not self.kv_cache_shared, "kv_cache_shared",
+                 "false with tensor_parallel_size > 1 (a replica's cache is one shard per rank)",
+                 self.kv_cache_shared)
 
 
 def engine_config(**kwargs: object) -> EngineConfig:

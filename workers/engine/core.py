@@ -27,6 +27,7 @@ from baton_serve.workers.errors import InvalidRequestError
 from baton_serve.workers.kv.event_log import KVEventLog
 from baton_serve.workers.kv.migration import KVMigration, MigrationMeta
 from baton_serve.workers.model.llama import LlamaForCausalLM
+from baton_serve.workers.parallel.executor import TPExecutor
 from baton_serve.workers.sampling.params import SamplingParams
 from baton_serve.workers.sampling.sampler import Sampler, SamplingRow
 
@@ -37,13 +38,19 @@ class EngineCore:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
                  eos_token_ids: Sequence[int], namespace: CacheNamespace | None = None,
                  device: torch.device | str = "cpu", tokenizer_json: str | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, timer: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.monotonic, timer: Callable[[], float] = time.perf_counter,
+                 tensor_parallel: TPExecutor | None = None) -> None:
         """``clock``: the time arrivals, first tokens and ends are stamped with; ``timer``: what a
-        step's duration is measured on (the simulator gives both its virtual clock)."""
+        step's duration is measured on (the simulator gives both its virtual clock);
+        ``tensor_parallel``: the other ranks of this replica (``model`` is rank 0's shard)."""
         self.model = model
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
-                                  num_host_blocks=self._host_blocks(model, config),
-                                  shared=config.kv_cache_shared)
+        self.tensor_parallel = tensor_parallel
+        host_blocks = self._host_blocks(model, config)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, num_host_blocks=host_blocks,
+                                  shared=config.kv_cache_shared,
+                                  plan_sink=tensor_parallel.send_plan if tensor_parallel else None)
+        if tensor_parallel is not None:
+            tensor_parallel.setup_runner(num_blocks, config.block_size, host_blocks)
         self.sampler = Sampler()
         host_pool = HostBlockPool(self.runner.host_cache.shape[2]) if self.runner.host_cache is not None else None
         self._setup(config, num_blocks, eos_token_ids, model.cfg.vocab_size,
@@ -63,6 +70,7 @@ class EngineCore:
         ``token_id``. Requests with a grammar are refused (no tokenizer); swap space is not kept."""
         core = cls.__new__(cls)
         core.model = None
+        core.tensor_parallel = None
         core.runner = None
         core.sampler = None
         core._setup(config, num_blocks, eos_token_ids, vocab_size, config.max_model_len or max_model_len, namespace,
@@ -114,6 +122,11 @@ class EngineCore:
             return 0
         dtype = model.dtype
         return int(config.swap_space_gib * (1 << 30)) // kv_cache_block_bytes(model, config.block_size, dtype)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel replica (idempotent; nothing to do otherwise)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -1,7 +1,8 @@
 """Runs the model on what the scheduler chose: builds the flat inputs, owns the KV cache tensors.
 
 Pure mechanism: it never decides anything, it turns a ``SchedulerOutput`` and block tables
-into one forward and returns the logits of the rows that sample.
+into a ``StepPlan`` (one forward's flat inputs), runs it and returns the logits of the rows that
+sample.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import torch
 from baton_serve.kernels import backend
 from baton_serve.workers.engine.scheduler import ScheduledRequest, SchedulerOutput
+from baton_serve.workers.engine.step_plan import StepPlan
 from baton_serve.workers.kv.layout import allocate_kv
 from baton_serve.workers.kv.shared import KVExport, allocate_shared
 from baton_serve.workers.model.attention import AttentionMetadata
@@ -28,8 +30,11 @@ class ModelRunner:
     """Owns the model and its paged KV cache; one ``execute`` call is one forward."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu", num_host_blocks: int = 0, shared: bool = False) -> None:
+                 device: torch.device | str = "cpu", num_host_blocks: int = 0, shared: bool = False,
+                 plan_sink: Callable[[StepPlan], None] | None = None) -> None:
+        """``plan_sink``: where rank 0 of a tensor-parallel replica sends each step's plan first."""
         self.model = model
+        self.plan_sink = plan_sink
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
@@ -56,8 +61,10 @@ class ModelRunner:
             backend.copy_blocks(k_cache, src, dst)
             backend.copy_blocks(v_cache, src, dst)
 
-    def apply_swaps(self, out: SchedulerOutput) -> None:
+    def apply_swaps(self, out: SchedulerOutput | StepPlan) -> None:
         """Swap-outs first (their device blocks may be reused by this very tick), then swap-ins."""
+        if self.plan_sink is not None and isinstance(out, SchedulerOutput) and (out.swap_out or out.swap_in):
+            self.plan_sink(StepPlan(swap_out=out.swap_out, swap_in=out.swap_in))  # the other ranks' caches too
         if out.swap_out:
             dev = torch.tensor([d for d, _ in out.swap_out], device=self.device)
             host = torch.tensor([h for _, h in out.swap_out])
@@ -78,26 +85,36 @@ class ModelRunner:
         Rows follow ``out.scheduled`` order, keeping only entries whose ``samples`` is true.
         Must be called before the scheduler advances ``num_computed_tokens``.
         """
-        self.apply_swaps(out)
-        self.apply_block_copies(out.block_copies)
-        input_ids, positions, meta, sample_idx = self._prepare(out, block_table)
+        plan = self.plan(out, block_table)
+        if self.plan_sink is not None:
+            self.plan_sink(plan)  # every other rank of the replica runs the same plan on its shard
+        return self.run(plan)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, logits: bool = True) -> torch.Tensor | None:
+        """Apply the plan's block moves, then its forward; the logits of its sampled rows (None
+        with ``logits=False``: the ranks other than 0 of a tensor-parallel replica)."""
+        self.apply_swaps(plan)
+        self.apply_block_copies(plan.block_copies)
+        if not plan.has_forward:
+            return None
+        input_ids, positions, meta = self._tensors(plan)
         rows = None
-        if len(sample_idx) != input_ids.shape[0]:  # prefill chunks: only the sampled rows go past attention
-            rows = torch.tensor(sample_idx, dtype=torch.long, device=self.device)
+        if len(plan.sample_rows) != len(plan.input_ids):  # prefill chunks: only sampled rows go past attention
+            rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, rows)
-        if not sample_idx:
+        if not logits:
+            return None
+        if not plan.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden)
 
-    def _prepare(self, out: SchedulerOutput, block_table: Callable[[str], list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def plan(self, out: SchedulerOutput, block_table: Callable[[str], list[int]]) -> StepPlan:
+        """The step's flat inputs and block moves, from the scheduler's output and block tables."""
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_idx: list[int] = []
-
-        dec_tables, dec_lens = [], []
+        plan = StepPlan(block_copies=out.block_copies, swap_out=out.swap_out, swap_in=out.swap_in,
+                        num_decode_tokens=len(out.decodes))
+        tokens, positions, slots, sample_idx = plan.input_ids, plan.positions, plan.slots, plan.sample_rows
         for i, s in enumerate(out.decodes):
             r = s.request
             pos = r.num_computed_tokens
@@ -105,11 +122,10 @@ class ModelRunner:
             tokens.append(r.all_token_ids[pos])
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            dec_tables.append(table)
-            dec_lens.append(pos + 1)
+            plan.decode_tables.append(table)
+            plan.decode_lens.append(pos + 1)
             sample_idx.append(i)
-
-        pre_tables, pre_lens, starts = [], [], [0]
+        starts = plan.prefill_starts
         for s in out.prefills:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
@@ -117,26 +133,29 @@ class ModelRunner:
             tokens.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            pre_tables.append(table)
-            pre_lens.append(end)
+            plan.prefill_tables.append(table)
+            plan.prefill_lens.append(end)
             starts.append(starts[-1] + s.num_new_tokens)
             if s.samples:
                 sample_idx.append(len(tokens) - 1)
+        return plan
 
-        dev = self.device
-        dec_max = max(dec_lens, default=0)
+    def _tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs, dev = self.block_size, self.device
+        dec_max = max(plan.decode_lens, default=0)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(out.decodes),
-            decode_block_tables=_pad_tables(dec_tables, (dec_max + bs - 1) // bs, dev),
-            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(plan.slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=plan.num_decode_tokens,
+            decode_block_tables=_pad_tables(plan.decode_tables, (dec_max + bs - 1) // bs, dev),
+            decode_seq_lens=torch.tensor(plan.decode_lens, dtype=torch.int32, device=dev),
             decode_max_seq_len=dec_max,
-            prefill_block_tables=_pad_tables(pre_tables, (max(pre_lens, default=0) + bs - 1) // bs, dev),
-            prefill_seq_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
-            prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad_tables(plan.prefill_tables, (max(plan.prefill_lens, default=0) + bs - 1) // bs,
+                                             dev),
+            prefill_seq_lens=torch.tensor(plan.prefill_lens, dtype=torch.int32, device=dev),
+            prefill_query_start_loc=torch.tensor(plan.prefill_starts, dtype=torch.int32, device=dev),
         )
-        return (torch.tensor(tokens, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_idx)
+        return (torch.tensor(plan.input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(plan.positions, dtype=torch.int64, device=dev), meta)
 
 
 def _pad_tables(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Layer types of a Llama-family decoder; tensor parallelism lives here, not in the model.
 
 Each parameter carries a ``weight_loader(param, loaded, shard_id)`` that copies its slice of a
-checkpoint tensor, so a model with ``tp_size > 1`` loads unchanged checkpoints.
+checkpoint tensor, so a model with ``tp_size > 1`` loads unchanged checkpoints; ``loaded`` may be
+a lazy ``CheckpointSlice``, narrowed before it is read, so a rank reads only its part.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from baton_serve.kernels import backend
 from baton_serve.kernels.reference import build_cos_sin_cache
+from baton_serve.workers.model.checkpoint_slice import CheckpointSlice, as_tensor
 from baton_serve.workers.model.quantization import QuantConfig, linear_method
 from torch import nn
 
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """This rank's place in its tensor-parallel group (size 1 means no parallelism)."""
+    """This rank's place in its tensor-parallel group (size 1 means no parallelism); ``group`` is
+    what sums partial results across the ranks (``workers.parallel.group.TPGroup``)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -28,7 +30,9 @@ class ParallelContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.group)
+            if self.group is None:
+                raise RuntimeError(f"rank {self.tp_rank} of {self.tp_size} has no group to all-reduce over")
+            self.group.all_reduce(x)
         return x
 
 
@@ -36,27 +40,36 @@ def _set_loader(param: nn.Parameter, loader: Any) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | CheckpointSlice,
+                          shard_id: Any = None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(as_tensor(loaded))
 
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T (+ b)`` with W split by output rows across ranks.
 
     ``output_sizes`` lists merged sub-matrices (e.g. q, k, v) so one matmul serves them all;
-    ``shard_id`` in the loader is the index of the sub-matrix.
+    ``shard_id`` in the loader is the index of the sub-matrix. ``shard_rows`` overrides, per
+    sub-matrix, the (first row, rows) this rank holds: replicated KV heads are not an even split.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, ctx: ParallelContext,
-                 dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None = None,
+                 shard_rows: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
-        for size in output_sizes:
-            if size % ctx.tp_size:
-                raise ValueError(f"output size {size} is not divisible by tp_size {ctx.tp_size}")
+        if shard_rows is None:
+            for size in output_sizes:
+                if size % ctx.tp_size:
+                    raise ValueError(f"output size {size} is not divisible by tp_size {ctx.tp_size}")
+            shard_rows = [(ctx.tp_rank * (s // ctx.tp_size), s // ctx.tp_size) for s in output_sizes]
+        if len(shard_rows) != len(output_sizes) or any(
+                first < 0 or first + rows > size for (first, rows), size in zip(shard_rows, output_sizes)):
+            raise ValueError(f"shard rows {shard_rows} do not fit output sizes {output_sizes}")
         self.ctx = ctx
-        self.local_sizes = [s // ctx.tp_size for s in output_sizes]
+        self.shard_rows = list(shard_rows)
+        self.local_sizes = [rows for _, rows in shard_rows]
         out = sum(self.local_sizes)
         self.method = linear_method(quant)
         self.method.create_weights(self, out, input_size, dtype, self._load)
@@ -72,10 +85,9 @@ class ColumnParallelLinear(nn.Module):
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         idx = 0 if shard_id is None else shard_id
-        local = self.local_sizes[idx]
+        first, local = self.shard_rows[idx]
         offset = sum(self.local_sizes[:idx])
-        piece = loaded.narrow(0, self.ctx.tp_rank * local, local)
-        param.data.narrow(0, offset, local).copy_(piece)
+        param.data.narrow(0, offset, local).copy_(as_tensor(loaded.narrow(0, first, local)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -106,10 +118,10 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         divisor = getattr(param, "input_divisor", 1)
         if divisor is None:  # no input dim (per-output-channel scales): every rank holds all of it
-            param.data.copy_(loaded)
+            param.data.copy_(as_tensor(loaded))
             return
         local = self.local_in // divisor
-        param.data.copy_(loaded.narrow(1, self.ctx.tp_rank * local, local))
+        param.data.copy_(as_tensor(loaded.narrow(1, self.ctx.tp_rank * local, local)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ctx.all_reduce(self.method.apply(self, x, None))

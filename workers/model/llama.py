@@ -19,6 +19,7 @@ from baton_serve.workers.model.layers import (
     RowParallelLinear,
     default_weight_loader,
 )
+from baton_serve.workers.parallel.sizes import check_tensor_parallel_size, kv_heads_of_rank
 from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -28,15 +29,18 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding,
                  dtype: torch.dtype, deterministic: bool = False) -> None:
         super().__init__()
-        if cfg.num_key_value_heads % ctx.tp_size:
-            raise ValueError(f"num_key_value_heads {cfg.num_key_value_heads} not divisible by tp {ctx.tp_size}")
+        check_tensor_parallel_size(cfg, ctx.tp_size)
         self.num_heads = cfg.num_attention_heads // ctx.tp_size
-        self.num_kv_heads = cfg.num_key_value_heads // ctx.tp_size
-        self.head_dim = cfg.head_dim
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        # More ranks than KV heads: each rank holds the one KV head its query heads read (replicated)
+        first_kv, self.num_kv_heads = kv_heads_of_rank(cfg.num_key_value_heads, ctx.tp_size, ctx.tp_rank)
+        self.head_dim = hd = cfg.head_dim
+        q_size = cfg.num_attention_heads * hd
+        kv_size = cfg.num_key_value_heads * hd
+        kv_rows = (first_kv * hd, self.num_kv_heads * hd)
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
-                                             cfg.attention_bias, ctx, dtype, cfg.quantization)
+                                             cfg.attention_bias, ctx, dtype, cfg.quantization,
+                                             shard_rows=[(ctx.tp_rank * self.num_heads * hd, self.num_heads * hd),
+                                                         kv_rows, kv_rows])
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, False, ctx, dtype, cfg.quantization)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from baton_serve.workers.errors import ModelLoadError
+from baton_serve.workers.model.checkpoint_slice import CheckpointSlice
 from baton_serve.workers.model.config import ModelConfig
 from baton_serve.workers.model.layers import ParallelContext, default_weight_loader
 from baton_serve.workers.model.llama import LlamaForCausalLM
@@ -60,10 +61,11 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                     raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} (no parameter {pname!r})")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 # to the parameter's own dtype: float weights take the model's, while quantised
-                # weights keep their integer codes and fp32 scales
-                tensor = f.get_tensor(name)
+                # weights keep their integer codes and fp32 scales; read lazily, so that a
+                # tensor-parallel rank reads only the slice it holds
+                tensor = CheckpointSlice(f.get_slice(name), param.dtype)
                 try:
-                    loader(param, tensor.to(param.dtype), shard)
+                    loader(param, tensor, shard)
                 except (RuntimeError, ValueError) as exc:  # a shape that does not fit this model
                     raise ModelLoadError(f"{file.name}: tensor {name!r} of shape {tuple(tensor.shape)} does not "
                                          f"fit parameter {pname!r} of shape {tuple(param.shape)}: {exc}") from None

@@ -1,0 +1,171 @@
+"""The process group of one tensor-parallel replica: its ranks all-reduce partial sums over it.
+
+Its own rendezvous (a TCPStore on rank 0's address, no world group), so a replica never shares
+a group with the KV pair groups of the same process; gloo for CPU tensors, NCCL for CUDA tensors.
+Every collective waits at most the group's timeout: a rank that died or hangs turns into a
+``TensorParallelError`` on the others, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from baton_serve.workers.errors import TensorParallelError
+
+
+@dataclass(frozen=True)
+class TPRendezvous:
+    """Where ranks 1..N-1 find rank 0 (its store and its plan channel); plain fields for Ray/pickle."""
+
+    host: str
+    store_port: int
+    plan_port: int
+    world_size: int
+    group_name: str
+    secret: str
+    backend: str = "gloo"
+    timeout_s: float = 60.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def group_backend(device: torch.device | str) -> str:
+    """``"nccl"`` for CUDA, ``"gloo"`` otherwise (raises when this torch lacks NCCL)."""
+    if torch.device(device).type == "cuda":
+        if not dist.is_nccl_available():
+            raise TensorParallelError("tensor parallelism on CUDA needs NCCL, which this torch build lacks")
+        return "nccl"
+    return "gloo"
+
+
+def listen_store(host: str, world_size: int, timeout_s: float) -> tuple[socket.socket, Any]:
+    """Rank 0: bind ``host:0`` and start the store on that socket (only that address, not every
+    interface as TCPStore does given a port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen()
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=os.dup(sock.fileno()))
+    except (OSError, RuntimeError) as exc:
+        sock.close()
+        raise TensorParallelError(f"cannot listen on {host}: {exc}") from exc
+    return sock, store
+
+
+class TPGroup:
+    """One replica's group; ``all_reduce`` sums in place across the ranks."""
+
+    def __init__(self, rendezvous: TPRendezvous, rank: int, device: torch.device | str = "cpu",
+                 store: Any = None, failed: Callable[[], str | None] | None = None) -> None:
+        """Join (blocks until every rank has, or raises ``TensorParallelError`` after the timeout);
+        rank 0 passes the store ``listen_store`` started, and ``failed``: why a rank will never
+        join (it exited), checked while waiting so that a crash fails the start at once."""
+        self.rendezvous, self.rank, self.world_size = rendezvous, rank, rendezvous.world_size
+        self.device = torch.device(device)
+        self.timeout = timedelta(seconds=rendezvous.timeout_s)
+        self.broken = False
+        self.num_all_reduces, self.all_reduce_seconds = 0, 0.0  # rank 0's share of a step (benchmarks)
+        try:
+            if store is None:
+                store = dist.TCPStore(rendezvous.host, rendezvous.store_port, world_size=self.world_size,
+                                      is_master=False, timeout=self.timeout)
+            prefix = dist.PrefixStore(rendezvous.group_name, store)
+            # Meet through the store first, bounded: NCCL's setup has no timeout of its own.
+            prefix.set(f"joined/{rank}", "1")
+            _wait_keys(prefix, [f"joined/{r}" for r in range(self.world_size)], self.timeout, failed)
+            self._pg = self._make_pg(prefix, _local_ip_towards(rendezvous.host, rendezvous.store_port))
+        except (RuntimeError, OSError) as exc:
+            raise TensorParallelError(f"tensor-parallel group {rendezvous.group_name}: rank {rank} of "
+                                      f"{self.world_size} could not join within {rendezvous.timeout_s}s: {exc}") from exc
+        self._store = store
+
+    def _make_pg(self, prefix: Any, local_ip: str) -> Any:
+        if self.rendezvous.backend == "nccl":
+            # Untested here (CPU-only torch); as torch's new_group does it. The watchdog's deadline
+            # is longer than ours so our wait raises (and aborts) before it kills the process.
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout * 4
+            with torch.cuda.device(self.device):
+                pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, opts)
+                pg.eager_connect_single_device(self.device)
+            return pg
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
+        return dist.ProcessGroupGloo(prefix, self.rank, self.world_size, opts)
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self.broken:
+            raise TensorParallelError(f"tensor-parallel group {self.rendezvous.group_name} is broken")
+        try:
+            ok, err = work.wait(self.timeout), None
+        except RuntimeError as exc:  # gloo: a peer reset or closed, or the timeout
+            ok, err = False, exc
+        if not ok:
+            self.broken = True
+            if self.rendezvous.backend == "nccl":
+                with contextlib.suppress(RuntimeError):
+                    self._pg.abort()
+            raise TensorParallelError(f"{what} on tensor-parallel group {self.rendezvous.group_name} (rank "
+                                      f"{self.rank} of {self.world_size}) failed: {err or 'timed out'} "
+                                      f"(timeout {self.timeout.total_seconds()}s)") from err
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        if self.broken:
+            raise TensorParallelError(f"tensor-parallel group {self.rendezvous.group_name} is broken")
+        started = time.perf_counter()
+        self._wait(self._pg.allreduce([x]), "all-reduce")
+        self.num_all_reduces += 1
+        self.all_reduce_seconds += time.perf_counter() - started
+        return x
+
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """``x`` from ``root`` to every rank, in place (benchmarks compare it with the plan channel)."""
+        self._wait(self._pg.broadcast([x], root), "broadcast")
+        return x
+
+    def close(self) -> None:
+        """Tear down; the other ranks' next collective fails promptly."""
+        self.broken = True
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None and self.rendezvous.backend == "nccl":
+            with contextlib.suppress(RuntimeError):
+                pg.abort()
+        self._store = None
+
+
+def _wait_keys(store: Any, keys: list[str], timeout: timedelta, failed: Callable[[], str | None] | None) -> None:
+    if failed is None:
+        store.wait(keys, timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        why = failed()
+        if why is not None:
+            raise RuntimeError(why)
+        if store.check(keys):  # polled: a short wait() logs a warning each time it runs out
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"timed out after {timeout.total_seconds()}s waiting for {keys}")
+        time.sleep(0.05)
+
+
+def _local_ip_towards(host: str, port: int) -> str:
+    """The local IPv4 address the kernel routes ``host`` from (so loopback stays loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
