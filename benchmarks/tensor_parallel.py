@@ -58,6 +58,70 @@ def all_reduce_seconds(rows: int, hidden: int, dtype: torch.dtype, reps: int) ->
     return statistics.median(times)
 
 
+def decode_plan(seqs: int, context: int, block_size: int = 16) -> object:
+    """A decode step's plan: ``seqs`` sequences of ``context`` tokens (what rank 0 sends per step)."""
+    from baton_serve.workers.engine.step_plan import StepPlan
+
+    blocks = -(-context // block_size)
+    return StepPlan(input_ids=[7] * seqs, positions=[context - 1] * seqs,
+                    slots=[i * blocks * block_size + context - 1 for i in range(seqs)], num_decode_tokens=seqs,
+                    decode_tables=[list(range(i * blocks, (i + 1) * blocks)) for i in range(seqs)],
+                    decode_lens=[context] * seqs, sample_rows=list(range(seqs)))
+
+
+def plan_delivery_seconds(plan: object, reps: int) -> dict[str, float]:
+    """Median seconds from rank 0 encoding a plan to rank 1 holding it decoded: down the plan
+    channel (what the engine does) and as two gloo broadcasts (length, then bytes)."""
+    from baton_serve.workers.engine.step_plan import StepPlan
+    from baton_serve.workers.parallel.group import TPGroup, TPRendezvous, listen_store
+    from baton_serve.workers.parallel.plan_channel import PlanReceiver, PlanSender
+
+    sock, store = listen_store("127.0.0.1", 2, 30.0)
+    sender = PlanSender("127.0.0.1", 2, "secret")
+    rdv = TPRendezvous("127.0.0.1", sock.getsockname()[1], sender.port, 2, "plans", "secret", "gloo", 30.0)
+    got = threading.Event()
+    groups: dict[int, TPGroup] = {}
+    out: dict[str, list[float]] = {"socket": [], "broadcast": []}
+
+    def rank1() -> None:
+        receiver = PlanReceiver("127.0.0.1", sender.port, 1, "secret", 30.0)
+        groups[1] = TPGroup(rdv, 1)
+        for _ in range(reps):
+            StepPlan.decode(receiver.recv())
+            got.set()
+        for _ in range(reps):
+            n = groups[1].broadcast(torch.zeros(1, dtype=torch.int64))
+            buf = groups[1].broadcast(torch.empty(int(n.item()), dtype=torch.uint8))
+            StepPlan.decode(buf.numpy().tobytes())
+            got.set()
+        receiver.close()
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    groups[0] = TPGroup(rdv, 0, store=store)
+    sender.accept(30.0)
+    for _ in range(reps):
+        got.clear()
+        start = time.perf_counter()
+        sender.send(plan.encode())
+        got.wait()
+        out["socket"].append(time.perf_counter() - start)
+    for _ in range(reps):
+        got.clear()
+        start = time.perf_counter()
+        data = plan.encode()
+        groups[0].broadcast(torch.tensor([len(data)], dtype=torch.int64))
+        groups[0].broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        got.wait()
+        out["broadcast"].append(time.perf_counter() - start)
+    t.join()
+    sender.close()
+    for g in groups.values():
+        g.close()
+    sock.close()
+    return {k: statistics.median(v) for k, v in out.items()} | {"plan_bytes": len(plan.encode())}
+
+
 def offline(folder: Path, dtype: str, requests: int, input_len: int, output_len: int, tp: int,
             threads: int) -> dict[str, object]:
     """Output tok/s of one ``LLM.generate`` of every prompt at once, and rank 0's step time split
@@ -104,12 +168,14 @@ def main() -> None:
         print(name, f"{runs[name]['output_tok_per_s']:.1f} tok/s", flush=True)
     dtype = torch.bfloat16 if runs["tp1"]["dtype"] == "bfloat16" else torch.float32
     reduce = {str(rows): all_reduce_seconds(rows, SHAPE["hidden_size"], dtype, 200) for rows in (1, 16, 64, 512)}
+    plans = {f"{seqs}x{ctx}": plan_delivery_seconds(decode_plan(seqs, ctx), 200)
+             for seqs, ctx in ((1, 256), (16, 192), (64, 1024))}
     per_step_decode = 2 * SHAPE["num_hidden_layers"] * reduce[str(args.requests)] if str(args.requests) in reduce \
         else None
     result = {"cpu": cpu_name(), "shape": SHAPE, "runs": runs,
               "ratio_tp2_over_tp1": runs["tp2"]["output_tok_per_s"] / runs["tp1"]["output_tok_per_s"],
               "all_reduce_seconds_by_rows": reduce, "all_reduces_per_step": 2 * SHAPE["num_hidden_layers"],
-              "decode_step_all_reduce_seconds": per_step_decode,
+              "decode_step_all_reduce_seconds": per_step_decode, "plan_delivery_seconds": plans,
               "command": "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     if args.out:

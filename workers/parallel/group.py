@@ -135,7 +135,9 @@ class TPGroup:
 
     def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
         """``x`` from ``root`` to every rank, in place (benchmarks compare it with the plan channel)."""
-        self._wait(self._pg.broadcast([x], root), "broadcast")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._wait(self._pg.broadcast([x], opts), "broadcast")
         return x
 
     def close(self) -> None:
