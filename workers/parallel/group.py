@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from baton_serve.workers.errors import TensorParallelError
+from baton_serve.workers.errors import KVTransferError, TensorParallelError
+from baton_serve.workers.kv.pair_group import backend_for
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,11 @@ class TPRendezvous:
 
 
 def group_backend(device: torch.device | str) -> str:
-    """``"nccl"`` for CUDA, ``"gloo"`` otherwise (raises when this torch lacks NCCL)."""
-    if torch.device(device).type == "cuda":
-        if not dist.is_nccl_available():
-            raise TensorParallelError("tensor parallelism on CUDA needs NCCL, which this torch build lacks")
-        return "nccl"
-    return "gloo"
+    """``"nccl"`` for CUDA, ``"gloo"`` otherwise (as the KV pair groups choose)."""
+    try:
+        return backend_for(device)
+    except KVTransferError as exc:
+        raise TensorParallelError(f"tensor parallelism: {exc}") from None
 
 
 def listen_store(host: str, world_size: int, timeout_s: float) -> tuple[socket.socket, Any]:
