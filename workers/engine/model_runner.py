@@ -61,10 +61,13 @@ class ModelRunner:
             backend.copy_blocks(k_cache, src, dst)
             backend.copy_blocks(v_cache, src, dst)
 
-    def apply_swaps(self, out: SchedulerOutput | StepPlan) -> None:
+    def apply_swaps(self, out: SchedulerOutput) -> None:
+        """A tick without a forward that only moves blocks to or from host memory (on every rank)."""
+        if out.swap_out or out.swap_in:
+            self._send_and_run(StepPlan(swap_out=out.swap_out, swap_in=out.swap_in))
+
+    def _swap(self, out: StepPlan) -> None:
         """Swap-outs first (their device blocks may be reused by this very tick), then swap-ins."""
-        if self.plan_sink is not None and isinstance(out, SchedulerOutput) and (out.swap_out or out.swap_in):
-            self.plan_sink(StepPlan(swap_out=out.swap_out, swap_in=out.swap_in))  # the other ranks' caches too
         if out.swap_out:
             dev = torch.tensor([d for d, _ in out.swap_out], device=self.device)
             host = torch.tensor([h for _, h in out.swap_out])
@@ -85,7 +88,9 @@ class ModelRunner:
         Rows follow ``out.scheduled`` order, keeping only entries whose ``samples`` is true.
         Must be called before the scheduler advances ``num_computed_tokens``.
         """
-        plan = self.plan(out, block_table)
+        return self._send_and_run(self.plan(out, block_table))
+
+    def _send_and_run(self, plan: StepPlan) -> torch.Tensor | None:
         if self.plan_sink is not None:
             self.plan_sink(plan)  # every other rank of the replica runs the same plan on its shard
         return self.run(plan)
@@ -94,7 +99,7 @@ class ModelRunner:
     def run(self, plan: StepPlan, logits: bool = True) -> torch.Tensor | None:
         """Apply the plan's block moves, then its forward; the logits of its sampled rows (None
         with ``logits=False``: the ranks other than 0 of a tensor-parallel replica)."""
-        self.apply_swaps(plan)
+        self._swap(plan)
         self.apply_block_copies(plan.block_copies)
         if not plan.has_forward:
             return None

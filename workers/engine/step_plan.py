@@ -37,11 +37,15 @@ class StepPlan:
         return bool(self.input_ids)
 
     def encode(self) -> bytes:
-        return msgpack.packb(dataclasses.astuple(self), use_bin_type=True)
+        # the fields as they are (dataclasses.astuple would deep-copy every list first)
+        return msgpack.packb([getattr(self, name) for name in _FIELDS], use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> StepPlan:
         values = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if len(values) != len(dataclasses.fields(cls)):
-            raise ValueError(f"a step plan has {len(dataclasses.fields(cls))} fields, got {len(values)}")
+        if len(values) != len(_FIELDS):
+            raise ValueError(f"a step plan has {len(_FIELDS)} fields, got {len(values)}")
         return cls(*values)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StepPlan))

@@ -55,11 +55,49 @@ class PairRendezvous:
         return cls(**data)
 
 
-def _local_ip_towards(host: str, port: int) -> str:
+def local_ip_towards(host: str, port: int) -> str:
     """The local IPv4 address the kernel routes ``host`` from (UDP connect sends no packet)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))
         return probe.getsockname()[0]
+
+
+def listen_store(host: str, world_size: int, timeout_s: float) -> tuple[socket.socket, Any]:
+    """Bind ``host:0`` (IPv4, exactly that address) and start a master TCPStore on it; raises
+    OSError or RuntimeError. TCPStore would bind every interface given only a port, and it closes
+    the fd it is handed when destroyed: it gets a duplicate, so the socket is closed only once."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen()
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=os.dup(sock.fileno()))
+    except (OSError, RuntimeError):
+        sock.close()
+        raise
+    return sock, store
+
+
+def make_process_group(prefix: Any, rank: int, world_size: int, backend: str, device: torch.device,
+                       timeout: timedelta, local_ip: str) -> Any:
+    """A gloo (pinned to ``local_ip``'s interface: loopback stays loopback) or NCCL process group
+    over ``prefix``, without a world group."""
+    if backend == "nccl":
+        # Untested here (CPU-only torch); mirrors torch's own new_group NCCL path. The watchdog
+        # deadline is longer than ours so our wait() raises (and aborts) first instead of the
+        # watchdog tearing the whole process down.
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout * 4
+        with torch.cuda.device(device):
+            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            pg.eager_connect_single_device(device)
+        return pg
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
+    return dist.ProcessGroupGloo(prefix, rank, world_size, opts)
 
 
 class PairGroup:
@@ -96,19 +134,11 @@ class PairGroup:
         if self._sock is not None or self._pg is not None or self._closed:
             raise KVTransferError("listen() is called once, on a fresh PairGroup")
         backend_name = backend_for(self.device)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock.bind((host, 0))
-            sock.listen()
-            port = sock.getsockname()[1]
-            # TCPStore would bind every interface given only a port, and it closes the fd it
-            # is handed when destroyed: give it a duplicate so our socket is closed only once.
-            store = dist.TCPStore(host, port, world_size=2, is_master=True,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                                  master_listen_fd=os.dup(sock.fileno()))
+            sock, store = listen_store(host, 2, timeout_s)
         except (OSError, RuntimeError) as exc:
-            sock.close()
             raise KVTransferError(f"cannot listen on {host}: {exc}") from exc
+        port = sock.getsockname()[1]
         self._sock, self._store = sock, store
         self.rendezvous = PairRendezvous(host, port, group_name or f"kv-{uuid.uuid4().hex[:12]}",
                                          backend_name, float(timeout_s))
@@ -138,7 +168,8 @@ class PairGroup:
             # setup has no timeout of its own, so it must only start once the peer is there.
             prefix.set(f"joined/{rank}", "1")
             prefix.wait([f"joined/{1 - rank}"], timeout)
-            pg = self._make_pg(prefix, rank, timeout, _local_ip_towards(rendezvous.host, rendezvous.port))
+            pg = make_process_group(prefix, rank, 2, rendezvous.backend, self.device, timeout,
+                                    local_ip_towards(rendezvous.host, rendezvous.port))
         except (RuntimeError, OSError) as exc:  # DistStoreError / DistNetworkError / gloo
             self.close()
             raise KVTransferError(f"pair {rendezvous.group_name}: rank {rank} could not join "
@@ -146,24 +177,6 @@ class PairGroup:
         with self._state_lock:
             self.rank, self.rendezvous, self._timeout = rank, rendezvous, timeout
             self._store, self._pg = store, pg
-
-    def _make_pg(self, prefix: Any, rank: int, timeout: timedelta, local_ip: str) -> Any:
-        if backend_for(self.device) == "nccl":
-            # Untested here (CPU-only torch); mirrors torch's own new_group NCCL path. The
-            # watchdog deadline is longer than ours so our wait() raises (and aborts) first
-            # instead of the watchdog tearing the whole worker process down.
-            opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = False
-            opts._timeout = timeout * 4
-            with torch.cuda.device(self.device):
-                pg = dist.ProcessGroupNCCL(prefix, rank, 2, opts)
-                pg.eager_connect_single_device(self.device)
-            return pg
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        # Pin gloo to the interface that reaches the peer (loopback stays loopback).
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
-        return dist.ProcessGroupGloo(prefix, rank, 2, opts)
 
     @property
     def usable(self) -> bool:

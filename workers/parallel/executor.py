@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from baton_serve.workers.engine.step_plan import StepPlan
-from baton_serve.workers.errors import TensorParallelError
 from baton_serve.workers.parallel.group import TPGroup, TPRendezvous, group_backend, listen_store
 from baton_serve.workers.parallel.plan_channel import PlanSender
 from baton_serve.workers.parallel.rank import RankSpec, runner_setup, serve_rank
@@ -139,7 +138,7 @@ class TPExecutor:
         try:
             # processes here on a machine with several GPUs: rank r on GPU r (Ray gives each actor its own)
             per_gpu = backend == "mp" and base.device.startswith("cuda")
-            self.ranks.start([dataclasses.replace(base, rank=r, rendezvous=self.rendezvous.to_dict(),
+            self.ranks.start([dataclasses.replace(base, rank=r, rendezvous=dataclasses.asdict(self.rendezvous),
                                                   device=f"cuda:{r}" if per_gpu else base.device)
                               for r in range(1, world_size)])
             self.group = TPGroup(self.rendezvous, 0, base.device, store=store,
@@ -155,12 +154,6 @@ class TPExecutor:
 
     def send_plan(self, plan: StepPlan) -> None:
         self.sender.send(plan.encode())
-
-    def check(self) -> None:
-        """Raise ``TensorParallelError`` if a rank is known to be gone."""
-        self.sender.check()
-        if self.group is not None and self.group.broken:
-            raise TensorParallelError("the tensor-parallel group is broken")
 
     def close(self) -> None:
         """Stop every rank (idempotent): they read end-of-file and exit; stragglers are killed."""

@@ -9,8 +9,6 @@ Every collective waits at most the group's timeout: a rank that died or hangs tu
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -21,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from baton_serve.workers.errors import KVTransferError, TensorParallelError
-from baton_serve.workers.kv.pair_group import backend_for
+from baton_serve.workers.kv import pair_group
 
 
 @dataclass(frozen=True)
@@ -37,32 +35,21 @@ class TPRendezvous:
     backend: str = "gloo"
     timeout_s: float = 60.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def group_backend(device: torch.device | str) -> str:
     """``"nccl"`` for CUDA, ``"gloo"`` otherwise (as the KV pair groups choose)."""
     try:
-        return backend_for(device)
+        return pair_group.backend_for(device)
     except KVTransferError as exc:
         raise TensorParallelError(f"tensor parallelism: {exc}") from None
 
 
 def listen_store(host: str, world_size: int, timeout_s: float) -> tuple[socket.socket, Any]:
-    """Rank 0: bind ``host:0`` and start the store on that socket (only that address, not every
-    interface as TCPStore does given a port)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """Rank 0: the replica's store on ``host`` (that address only; see ``pair_group.listen_store``)."""
     try:
-        sock.bind((host, 0))
-        sock.listen()
-        store = dist.TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                              master_listen_fd=os.dup(sock.fileno()))
+        return pair_group.listen_store(host, world_size, timeout_s)
     except (OSError, RuntimeError) as exc:
-        sock.close()
         raise TensorParallelError(f"cannot listen on {host}: {exc}") from exc
-    return sock, store
 
 
 class TPGroup:
@@ -86,26 +73,13 @@ class TPGroup:
             # Meet through the store first, bounded: NCCL's setup has no timeout of its own.
             prefix.set(f"joined/{rank}", "1")
             _wait_keys(prefix, [f"joined/{r}" for r in range(self.world_size)], self.timeout, failed)
-            self._pg = self._make_pg(prefix, _local_ip_towards(rendezvous.host, rendezvous.store_port))
+            self._pg = pair_group.make_process_group(
+                prefix, rank, self.world_size, rendezvous.backend, self.device, self.timeout,
+                pair_group.local_ip_towards(rendezvous.host, rendezvous.store_port))
         except (RuntimeError, OSError) as exc:
             raise TensorParallelError(f"tensor-parallel group {rendezvous.group_name}: rank {rank} of "
                                       f"{self.world_size} could not join within {rendezvous.timeout_s}s: {exc}") from exc
         self._store = store
-
-    def _make_pg(self, prefix: Any, local_ip: str) -> Any:
-        if self.rendezvous.backend == "nccl":
-            # Untested here (CPU-only torch); as torch's new_group does it. The watchdog's deadline
-            # is longer than ours so our wait raises (and aborts) before it kills the process.
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout * 4
-            with torch.cuda.device(self.device):
-                pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, opts)
-                pg.eager_connect_single_device(self.device)
-            return pg
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = self.timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
-        return dist.ProcessGroupGloo(prefix, self.rank, self.world_size, opts)
 
     def _wait(self, work: Any, what: str) -> None:
         if self.broken:
@@ -125,8 +99,6 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
-        if self.broken:
-            raise TensorParallelError(f"tensor-parallel group {self.rendezvous.group_name} is broken")
         started = time.perf_counter()
         self._wait(self._pg.allreduce([x]), "all-reduce")
         self.num_all_reduces += 1
@@ -164,10 +136,3 @@ def _wait_keys(store: Any, keys: list[str], timeout: timedelta, failed: Callable
         if time.monotonic() >= deadline:
             raise RuntimeError(f"timed out after {timeout.total_seconds()}s waiting for {keys}")
         time.sleep(0.05)
-
-
-def _local_ip_towards(host: str, port: int) -> str:
-    """The local IPv4 address the kernel routes ``host`` from (so loopback stays loopback)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return probe.getsockname()[0]

@@ -16,6 +16,8 @@ import torch
 from baton_serve.workers.engine.model_runner import ModelRunner
 from baton_serve.workers.engine.step_plan import StepPlan
 from baton_serve.workers.errors import TensorParallelError
+from baton_serve.workers.model.layers import ParallelContext
+from baton_serve.workers.model.loader import load_model, parse_dtype
 from baton_serve.workers.parallel.group import TPGroup, TPRendezvous
 from baton_serve.workers.parallel.plan_channel import PlanReceiver
 
@@ -43,9 +45,6 @@ def runner_setup(num_blocks: int, block_size: int, num_host_blocks: int) -> byte
 
 def serve_rank(spec: RankSpec) -> int:
     """Run one rank until rank 0 closes its channel; returns the number of plans it ran."""
-    from baton_serve.workers.model.layers import ParallelContext
-    from baton_serve.workers.model.loader import load_model, parse_dtype
-
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     rdv = TPRendezvous(**spec.rendezvous)
