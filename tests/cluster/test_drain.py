@@ -14,10 +14,12 @@ import time
 import httpx
 from baton_serve.cluster.usage.sqlite_store import SQLiteUsageStore
 
+from tests.tiny_model import write_tiny_llama
+
 
 def _stream(url: str, out: dict, ready: threading.Event, lock: threading.Lock, started: list) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story"}],
-            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+            "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
     finish, rid, done = None, None, False
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -33,17 +35,19 @@ def _stream(url: str, out: dict, ready: threading.Event, lock: threading.Lock, s
                             ready.set()
                 if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
                     finish = chunk["choices"][0]["finish_reason"]
-            time.sleep(0.005)  # a slowish reader: the stream outlives the drain timeout
+            time.sleep(0.001)  # a slowish reader
     out[rid] = (finish, done, time.monotonic())
 
 
-def test_sigterm_drains_open_streams_and_exits_zero(tiny_model_dir, tmp_path):
+def test_sigterm_drains_open_streams_and_exits_zero(tmp_path):
+    # long enough that no CPU finishes 8 x 4000 tokens inside the 1.5 s drain
+    model_dir = write_tiny_llama(tmp_path / "model", max_positions=8192)
     port = 19000 + os.getpid() % 1000
     usage = tmp_path / "usage.sqlite3"
     config = tmp_path / "drain.toml"
     config.write_text(f"""
 [engine]
-model = "{tiny_model_dir}"
+model = "{model_dir}"
 dtype = "float32"
 max_num_seqs = 8
 [pools]
@@ -101,7 +105,7 @@ path = "{usage}"
     for rid, (finish, done, ended) in results.items():
         assert done and finish in ("length", "abort"), (rid, finish)
         assert ended - signalled < 1.5 + 10  # inside the drain timeout, plus the time to flush the stream
-    assert any(finish == "abort" for finish, _, _ in results.values())  # 400 tokens outlive a 1.5 s drain
+    assert any(finish == "abort" for finish, _, _ in results.values())  # 4000 tokens outlive a 1.5 s drain
     store = SQLiteUsageStore(usage)
     try:
         recorded = {r.request_id: r for r in store.records()}
