@@ -51,6 +51,7 @@ from baton_serve.workers.kv.shared import can_share
 from baton_serve.workers.kv.transfer import KVTransferEngine, KVTransferError
 from baton_serve.workers.llm import build_engine
 from baton_serve.workers.node import node_address, node_id
+from baton_serve.workers.parallel.kv_agent import KVAgent, LocalAgent
 
 log = logging.getLogger("baton.worker")
 ROLES = ("prefill", "decode", "colocated")
@@ -65,10 +66,11 @@ class Worker:
                  front_secret: str = "", verify_kv: bool = True, incarnation: int = 0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if role != "colocated" and int(engine.get("tensor_parallel_size", 1)) > 1:
-            # KV connectors ship one cache per worker; resharding between TP replicas is not built yet
-            raise ValueError(f"tensor_parallel_size > 1 is supported for colocated workers only, not {role!r}")
         order = connector_order(kv_transport)  # ValueError naming the known ones
+        self.tp_size = int(engine.get("tensor_parallel_size", 1))
+        if self.tp_size > 1 and kv_transport == "object_store":
+            raise ValueError("kv_transfer.transport = 'object_store' moves one cache per worker; tensor-parallel "
+                             "pools ship rank to rank: use 'auto' or 'collective'")
         # None: the cores of the machine this worker landed on (threads_per_worker = "auto" on a
         # cluster without CPU reservations)
         threads = threads or capabilities.usable_cores()
@@ -82,7 +84,7 @@ class Worker:
         self.faults = FaultPoints()
         engine = dict(engine)
         # A prefill worker's cache goes in shared memory when a connector it may use maps it.
-        engine.setdefault("kv_cache_shared", role == "prefill" and can_share()
+        engine.setdefault("kv_cache_shared", role == "prefill" and self.tp_size == 1 and can_share()
                           and any(connector_class(n).needs_shared_cache for n in order))
         config = engine_config(**engine)
 
@@ -104,6 +106,10 @@ class Worker:
         self.engine = AsyncEngine(build, on_step=self._on_step, core_share=share)
         self.core = core = self.engine.engine
         self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)
+        self.num_kv_heads = core.model.cfg.num_key_value_heads
+        # Each rank's part of a KV shipment: rank 0's here, the others' over their command channels.
+        own = LocalAgent(KVAgent(core.runner.kv_caches, core.config.block_size, core.runner.device, self.host))
+        self.tp_agents = [own, *(core.tensor_parallel.agents if core.tensor_parallel is not None else [])]
         self.hardware = _hardware(core.runner.device, threads, core.config.dtype, self.model_path.name)
         self.peers: dict[str, Any] = {}
         # Every connector, by name: the decode side answers whichever a sender uses; the prefill
@@ -139,11 +145,15 @@ class Worker:
                 "model_path": str(self.model_path), "num_blocks": c.block_manager.num_blocks,
                 "block_size": c.config.block_size, "max_model_len": c.max_model_len,
                 "vocab_size": c.vocab_size, "pid": os.getpid(), "dtype": c.config.dtype, "device": c.config.device,
-                "node_id": node_id(),
+                "node_id": node_id(), "tensor_parallel_size": c.config.tensor_parallel_size,
                 "output_address": list(self._output.address), "output_secret": self._output_secret,
                 # Routers hash prompts with this to compare them against the cache events below.
                 "cache_namespace": dataclasses.asdict(c.block_manager.namespace),
                 "kv_block_bytes": kv_cache_block_bytes(c.model, c.config.block_size, c.model.dtype)}
+
+    def kv_layout(self) -> dict[str, int]:
+        """How this worker's KV is split: its tensor-parallel size and the model's KV heads."""
+        return {"tp": self.tp_size, "num_kv_heads": self.num_kv_heads}
 
     def kv_events(self, epoch: str | None = None, seq: int = 0) -> KVEventBatch:
         """Prefix-cache events after ``seq`` of ``epoch`` (a full resync when that cannot be answered)."""
@@ -314,6 +324,7 @@ class Worker:
         self._shipper.shutdown(wait=False, cancel_futures=True)
         for connector in self._connectors.values():
             connector.close()
+        self.tp_agents[0].agent.close()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ outputs
@@ -398,7 +409,9 @@ class Worker:
         peer = self.peers.get(target) if target else None
         started = time.perf_counter()
         connector = None
-        if self.verify_kv:  # the parked blocks do not change until released: safe off the loop thread
+        # The parked blocks do not change until released: safe off the loop thread. A
+        # tensor-parallel replica's rank 0 holds only its heads: its ranks checksum their routes.
+        if self.verify_kv and self.tp_size == 1:
             meta.kv_checksums = block_crcs(self.core.runner.kv_caches, table,
                                            len(meta.prompt_token_ids) + len(meta.output_token_ids) - 1,
                                            self.core.config.block_size)

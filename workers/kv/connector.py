@@ -64,6 +64,12 @@ class KVHost(Protocol):
     core: Any  # EngineCore, for reads that are safe off the loop thread
     transfer: Any  # KVTransferEngine over this worker's cache
     faults: Any  # workers.actor.faults.FaultPoints: what the fault suite armed
+    verify_kv: bool  # checksums travel with the KV
+    tp_size: int  # ranks of this worker's tensor-parallel replica (1: one cache)
+    num_kv_heads: int  # the model's KV heads, across every rank
+    tp_agents: list[Any]  # each rank's KV agent (workers.parallel.kv_agent), by rank
+
+    def kv_layout(self) -> dict[str, int]: ...
 
     def register(self, request_id: str, front_id: str, index: int) -> None: ...
     def owner_front(self, request_id: str) -> str: ...

@@ -71,9 +71,17 @@ class KVTransferEngine:
     """
 
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, heads: tuple[int, int] | None = None) -> None:
+        """``heads``: move only KV heads ``[first, stop)`` of every block (a tensor-parallel rank's
+        part of a resharded shipment); the header then checks that many heads."""
         if not kv_caches:
             raise ValueError("need at least one layer")
+        self._sliced = heads is not None and tuple(heads) != (0, kv_caches[0][0].shape[2])
+        if self._sliced:
+            first, stop = heads  # type: ignore[misc]
+            if not 0 <= first < stop <= kv_caches[0][0].shape[2]:
+                raise ValueError(f"heads {heads} outside the cache's {kv_caches[0][0].shape[2]} KV heads")
+            kv_caches = [(k[:, :, first:stop], v[:, :, first:stop]) for k, v in kv_caches]
         first = kv_caches[0][0]
         for k, v in kv_caches:
             if k.shape != first.shape or v.shape != first.shape or k.dtype != first.dtype or v.dtype != first.dtype:
@@ -81,7 +89,7 @@ class KVTransferEngine:
         if first.dim() != 4 or first.shape[1] != block_size or first.dtype not in _DTYPES:
             raise ValueError(f"cache {tuple(first.shape)} {first.dtype} is not [blocks, {block_size}, H, D]")
         self.kv_caches = list(kv_caches)
-        self._stack = stacked(self.kv_caches)  # every layer at once, where the cache is one allocation
+        self._stack = None if self._sliced else stacked(self.kv_caches)  # every layer at once, where the cache is one allocation
         self.block_size = block_size
         self.device = torch.device(device)
         self.num_blocks, _, self.num_kv_heads, self.head_dim = first.shape
@@ -260,6 +268,8 @@ class KVTransferEngine:
 
     @torch.inference_mode()
     def _gather_layer(self, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self._sliced:  # strided head views: the kernels take whole contiguous blocks only
+            return torch.stack((k.index_select(0, ids), v.index_select(0, ids)))
         return torch.stack((backend.gather_kv_blocks(k, ids), backend.gather_kv_blocks(v, ids)))
 
     @torch.inference_mode()
@@ -267,7 +277,8 @@ class KVTransferEngine:
         if self._stack is not None:  # K0, V0, K1, ... is the buffer's [layers, 2] order
             return self._stack.index_select(1, ids).view(self.buffer_shape(ids.numel()))
         # One extra copy (gather, then stack) buys a single contiguous send.
-        parts = [backend.gather_kv_blocks(c, ids) for layer in self.kv_caches for c in layer]
+        gather = (lambda c, i: c.index_select(0, i)) if self._sliced else backend.gather_kv_blocks
+        parts = [gather(c, ids) for layer in self.kv_caches for c in layer]
         return torch.stack(parts).view(self.buffer_shape(ids.numel()))
 
     @torch.inference_mode()
@@ -280,6 +291,10 @@ class KVTransferEngine:
 
     @torch.inference_mode()
     def _scatter_layer(self, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> None:
+        if self._sliced:
+            k.index_copy_(0, ids, buf[0])
+            v.index_copy_(0, ids, buf[1])
+            return
         backend.scatter_kv_blocks(k, ids, buf[0])
         backend.scatter_kv_blocks(v, ids, buf[1])
 

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from baton_serve.workers.engine.step_plan import StepPlan
 from baton_serve.workers.parallel.group import TPGroup, TPRendezvous, group_backend, listen_store
+from baton_serve.workers.parallel.kv_agent import AgentListener, RemoteAgent
 from baton_serve.workers.parallel.plan_channel import PlanSender
 from baton_serve.workers.parallel.rank import RankSpec, runner_setup, serve_rank
 
@@ -129,9 +130,12 @@ class TPExecutor:
         self.world_size = world_size
         sock, store = listen_store(host, world_size, timeout_s)
         self.sender = PlanSender(host, world_size, secrets.token_hex(16))
+        self.agent_listener = AgentListener(host, world_size, self.sender.secret)
+        self.agents: list[RemoteAgent] = []  # ranks 1..N-1's KV agents, once they have a cache
+        self.timeout_s = timeout_s
         self.rendezvous = TPRendezvous(host, sock.getsockname()[1], self.sender.port, world_size,
                                        f"tp-{uuid.uuid4().hex[:12]}", self.sender.secret,
-                                       group_backend(base.device), timeout_s)
+                                       group_backend(base.device), timeout_s, self.agent_listener.port)
         self.ranks = RANK_HOSTS[backend](**host_options)
         self._sock = sock
         self.group: TPGroup | None = None
@@ -151,6 +155,7 @@ class TPExecutor:
     def setup_runner(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
         """Every other rank allocates the same cache (its own KV heads) before the first step."""
         self.sender.send(runner_setup(num_blocks, block_size, num_host_blocks))
+        self.agents = self.agent_listener.accept(self.timeout_s)
 
     def send_plan(self, plan: StepPlan) -> None:
         self.sender.send(plan.encode())
@@ -158,6 +163,9 @@ class TPExecutor:
     def close(self) -> None:
         """Stop every rank (idempotent): they read end-of-file and exit; stragglers are killed."""
         self.sender.close()
+        self.agent_listener.close()
+        for agent in self.agents:
+            agent.close()
         if self.group is not None:
             self.group.close()
         self.ranks.stop()

@@ -34,6 +34,7 @@ class TPRendezvous:
     secret: str
     backend: str = "gloo"
     timeout_s: float = 60.0
+    kv_port: int = 0  # rank 0's listener for the ranks' KV agent channels (workers.parallel.kv_agent)
 
 
 def group_backend(device: torch.device | str) -> str:

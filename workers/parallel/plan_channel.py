@@ -18,11 +18,12 @@ import time
 
 from baton_serve.workers.errors import TensorParallelError
 
-_LEN = struct.Struct("<Q")
-_HELLO = struct.Struct("<I32s")
+LEN = struct.Struct("<Q")  # a frame's length prefix
+HELLO = struct.Struct("<I32s")  # a rank's first bytes: its rank and the replica's secret
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly ``n`` bytes from ``sock``, or None at end-of-file."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -33,15 +34,71 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def rank_listener(host: str, world_size: int) -> socket.socket:
+    """A socket on ``host`` (any free port) for ranks 1..N-1 to connect to."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(world_size)
+    return listener
+
+
+def accept_ranks(listener: socket.socket, world_size: int, secret: bytes, timeout_s: float,
+                 what: str) -> dict[int, socket.socket]:
+    """Accept one connection from each of ranks 1..N-1 on ``listener`` (each sends ``HELLO``
+    with the replica's ``secret``; others are dropped), then close the listener."""
+    conns: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(conns) < world_size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([listener], [], [], left)[0]:
+                missing = sorted(set(range(1, world_size)) - set(conns))
+                raise TensorParallelError(f"tensor-parallel ranks {missing} did not connect to the {what} "
+                                          f"within {timeout_s}s")
+            conn, _ = listener.accept()
+            conn.settimeout(max(left, 1.0))
+            try:
+                hello = recv_exact(conn, HELLO.size)
+            except OSError:
+                hello = None
+            if hello is None:
+                conn.close()
+                continue
+            rank, given = HELLO.unpack(hello)
+            if not hmac.compare_digest(given, secret) or not 0 < rank < world_size or rank in conns:
+                conn.close()
+                continue
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns[rank] = conn
+    except BaseException:
+        for conn in conns.values():
+            conn.close()
+        raise
+    finally:
+        listener.close()
+    return conns
+
+
+def connect_rank(host: str, port: int, rank: int, secret: str, timeout_s: float, what: str) -> socket.socket:
+    """A rank's connection to rank 0's ``host:port``, hello sent."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise TensorParallelError(f"rank {rank} cannot reach rank 0's {what} at {host}:{port}: {exc}") from exc
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(HELLO.pack(rank, secret.encode()[:32].ljust(32, b"\0")))
+    sock.settimeout(None)
+    return sock
+
+
 class PlanSender:
     """Rank 0's end: ``listen``, hand out the port, ``accept`` every rank, then ``send`` per step."""
 
     def __init__(self, host: str, world_size: int, secret: str) -> None:
         self.world_size, self.secret = world_size, secret
         self._secret = secret.encode()[:32].ljust(32, b"\0")
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
-        self._listener.listen(world_size)
+        self._listener = rank_listener(host, world_size)
         self.port = self._listener.getsockname()[1]
         self._conns: dict[int, socket.socket] = {}
         self.lost: int | None = None  # a rank whose connection closed
@@ -49,29 +106,7 @@ class PlanSender:
 
     def accept(self, timeout_s: float) -> None:
         """Wait for ranks 1..N-1 (each proves it holds the replica's secret)."""
-        deadline = time.monotonic() + timeout_s
-        while len(self._conns) < self.world_size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._listener], [], [], left)[0]:
-                missing = sorted(set(range(1, self.world_size)) - set(self._conns))
-                raise TensorParallelError(f"tensor-parallel ranks {missing} did not connect within {timeout_s}s")
-            conn, _ = self._listener.accept()
-            conn.settimeout(max(left, 1.0))
-            try:
-                hello = _recv_exact(conn, _HELLO.size)
-            except OSError:
-                hello = None
-            if hello is None:
-                conn.close()
-                continue
-            rank, secret = _HELLO.unpack(hello)
-            if not hmac.compare_digest(secret, self._secret) or not 0 < rank < self.world_size or rank in self._conns:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns[rank] = conn
-        self._listener.close()
+        self._conns = accept_ranks(self._listener, self.world_size, self._secret, timeout_s, "plan channel")
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -100,7 +135,7 @@ class PlanSender:
     def send(self, payload: bytes) -> None:
         """The same frame to every rank, in rank order."""
         self.check()
-        frame = _LEN.pack(len(payload)) + payload
+        frame = LEN.pack(len(payload)) + payload
         with self._lock:
             for rank, conn in self._conns.items():
                 try:
@@ -122,22 +157,15 @@ class PlanReceiver:
     """A rank's end: connect to rank 0, then ``recv`` frames until rank 0 closes (None)."""
 
     def __init__(self, host: str, port: int, rank: int, secret: str, timeout_s: float) -> None:
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        except OSError as exc:
-            raise TensorParallelError(f"rank {rank} cannot reach rank 0's plan channel at {host}:{port}: "
-                                      f"{exc}") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.sendall(_HELLO.pack(rank, secret.encode()[:32].ljust(32, b"\0")))
-        self._sock.settimeout(None)
+        self._sock = connect_rank(host, port, rank, secret, timeout_s, "plan channel")
 
     def recv(self) -> bytes | None:
         """The next frame; None once rank 0 has closed the channel (or died)."""
         try:
-            head = _recv_exact(self._sock, _LEN.size)
+            head = recv_exact(self._sock, LEN.size)
             if head is None:
                 return None
-            return _recv_exact(self._sock, _LEN.unpack(head)[0])
+            return recv_exact(self._sock, LEN.unpack(head)[0])
         except OSError:
             return None
 

@@ -16,9 +16,11 @@ import torch
 from baton_serve.workers.engine.model_runner import ModelRunner
 from baton_serve.workers.engine.step_plan import StepPlan
 from baton_serve.workers.errors import TensorParallelError
+from baton_serve.workers.kv.pair_group import local_ip_towards
 from baton_serve.workers.model.layers import ParallelContext
 from baton_serve.workers.model.loader import load_model, parse_dtype
 from baton_serve.workers.parallel.group import TPGroup, TPRendezvous
+from baton_serve.workers.parallel.kv_agent import KVAgent, serve_agent
 from baton_serve.workers.parallel.plan_channel import PlanReceiver
 
 log = logging.getLogger("baton.tp")
@@ -61,6 +63,9 @@ def serve_rank(spec: RankSpec) -> int:
             return 0
         num_blocks, block_size, num_host_blocks = msgpack.unpackb(setup)
         runner = ModelRunner(model, num_blocks, block_size, spec.device, num_host_blocks=num_host_blocks)
+        # Its part of KV shipments to and from other replicas, driven by rank 0 (kv_agent).
+        agent = KVAgent(runner.kv_caches, block_size, spec.device, local_ip_towards(rdv.host, rdv.store_port))
+        serve_agent(agent, rdv.host, rdv.kv_port, spec.rank, rdv.secret, rdv.timeout_s)
         while (frame := receiver.recv()) is not None:
             runner.run(StepPlan.decode(frame), logits=False)
             steps += 1

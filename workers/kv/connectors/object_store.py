@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from baton_serve.kernels import openmp
+from baton_serve.workers.errors import KVTransferError
 from baton_serve.workers.kv.connector import KVConnector, KVShipment, ray_get, register_connector
 
 
@@ -17,6 +18,7 @@ class ObjectStoreConnector(KVConnector):
 
     def send(self, peer_id: str, peer: Any, shipment: KVShipment) -> int:
         meta, host = shipment.meta, self.host
+        _one_cache(host)
         needed, dst = self.until_room(meta, lambda front: peer.kv_reserve.remote(self.name, meta.to_dict(), front,
                                                                                  self.host.worker_id))
         payload = host.transfer.pack_blocks([shipment.table[i] for i in needed])
@@ -27,6 +29,7 @@ class ObjectStoreConnector(KVConnector):
     def receive(self, peer_id: str, member_id: str, blocks: list[int] | None, payload: Any) -> int:
         openmp.serial_here()
         try:
+            _one_cache(self.host)
             self.host.transfer.unpack_blocks(blocks or [], payload)
             self.check_received(member_id)
         except Exception:
@@ -34,3 +37,10 @@ class ObjectStoreConnector(KVConnector):
             raise
         self.host.admit(member_id)
         return int(getattr(payload, "nbytes", 0))
+
+
+def _one_cache(host: Any) -> None:
+    # One packed array per request holds one cache; a tensor-parallel replica has one per rank.
+    if host.tp_size > 1:
+        raise KVTransferError(f"the object_store connector moves one cache per worker; {host.worker_id} is "
+                              f"tensor-parallel (tp={host.tp_size}): use the collective connector")

@@ -72,6 +72,9 @@ class SharedMemoryConnector(KVConnector):
         """Map a prefill peer's exported cache now (``info``: its export and Ray node id); False
         when it cannot be (another node, another machine, /proc closed to this process), and the
         peer then uses another connector."""
+        if self.host.tp_size > 1:  # our rank 0 holds only its KV heads: the ranks take theirs over the network
+            log.info("KV from %s goes rank to rank: this worker is tensor-parallel", peer_id)
+            return False
         if info.get("node_id") != self._node:
             log.info("prefill worker %s is on another Ray node: its KV comes over the network", peer_id)
             return False
