@@ -276,7 +276,7 @@ class Worker:
                         # routers price the turns workers on one board take at its cores
                         "core_share": ({"board": f"{node_id()}:{share.path}", "cores": share.cores,
                                         "threads": share.threads} if share is not None else None)}
-        out["alive"] = self.engine.is_alive
+        out["alive"] = self.health()
         for connector in self._connectors.values():
             out.update(connector.stats())  # pair_groups, mapped_peer_caches
         out["tracked_requests"] = len(self._owner)
@@ -317,7 +317,10 @@ class Worker:
         self.faults.arm(name, count)
 
     def health(self) -> bool:
-        return self.engine.is_alive
+        """The engine loop runs and, in a tensor-parallel replica, every rank is there (an idle
+        replica learns of a dead rank from its plan channel, before any step fails on it)."""
+        tp = self.core.tensor_parallel
+        return self.engine.is_alive and (tp is None or tp.failure() is None)
 
     def shutdown(self) -> None:
         self._output.close()

@@ -157,6 +157,11 @@ class TPExecutor:
         self.sender.send(runner_setup(num_blocks, block_size, num_host_blocks))
         self.agents = self.agent_listener.accept(self.timeout_s)
 
+    def failure(self) -> str | None:
+        """Why this replica can no longer step (a rank is gone), or None."""
+        lost = self.sender.lost
+        return None if lost is None else f"tensor-parallel rank {lost} of {self.world_size} is gone"
+
     def send_plan(self, plan: StepPlan) -> None:
         self.sender.send(plan.encode())
 

@@ -133,6 +133,27 @@ def test_a_route_crc_covers_only_its_heads() -> None:
     assert agent.crcs([0, 1], [0, 2], 8, [0, 1]) == block_crcs([(k, v)], [0, 1], 8, 4)  # all heads: the block's
 
 
+def test_an_idle_worker_whose_rank_died_reports_itself_unhealthy(tmp_path: Path) -> None:
+    # what the controller's health checks read: no request needs to fail on the dead rank first
+    import os
+    import signal
+
+    from baton_serve.workers.actor.worker import Worker
+
+    model = write_tiny_llama(tmp_path / "m", num_heads=8, num_kv_heads=2, seed=3)
+    worker = Worker("colocated-0", "colocated", {"model": str(model), "dtype": "float32", "tensor_parallel_size": 2})
+    try:
+        assert worker.health() and worker.info()["tensor_parallel_size"] == 2
+        (pid,) = worker.core.tensor_parallel.ranks.pids()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while worker.health() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not worker.health() and worker.stats()["alive"] is False
+    finally:
+        worker.shutdown()
+
+
 # ---------------------------------------------------------------------- Ray workers, end to end
 
 ray = pytest.importorskip("ray")
