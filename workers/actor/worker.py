@@ -270,7 +270,8 @@ class Worker:
         out = dict(s.__dict__)
         share = self.engine.core_share
         out["extra"] = {"hardware": self.hardware,  # routers fit the steps of workers alike together
-                        "kv_transfer": {"bytes": self.transfer.stats.bytes, "recent_seconds": recent,
+                        "kv_transfer": {"bytes": self.transfer.stats.bytes, "seconds": self.transfer.stats.seconds,
+                                        "recent_seconds": recent,
                                         "shipments": self.shipments, "ship_seconds": self.ship_seconds},
                         "core_wait_seconds": share.wait_seconds if share is not None else 0.0,
                         # routers price the turns workers on one board take at its cores
