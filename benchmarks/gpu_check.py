@@ -9,7 +9,8 @@ non-paged shapes. Writes JSON to ``--out``; exits 1 if any check fails.
 
 Then the whole engine on the device (``benchmarks/engine_check.py``): greedy parity with a plain
 ``transformers`` loop on the same device in fp32, and offline output tok/s for SmolLM2 and for a
-random-weight Llama of ~1B shape in bf16.
+random-weight Llama of ~1B shape in bf16; with two or more GPUs, the same Llama at TP=2 against
+TP=1 over NCCL (``benchmarks/tp_check.py``), skipped with the reason otherwise.
 
 Without CUDA it prints that it was skipped and exits 0. ``--interpret-smoke`` runs the kernel code
 on tiny CPU shapes under ``TRITON_INTERPRET=1``, and ``--engine-smoke`` the engine stage on the CPU
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_gb_per_s": copy_gbps if math.isfinite(copy_gbps) else None,
         "checks": run.checks, "timings": run.timings,
         "engine": engine,
-        "all_ok": all(c["ok"] for c in run.checks.values()) and (engine is None or engine["parity"]["ok"]),
+        "all_ok": all(c["ok"] for c in run.checks.values()) and (engine is None or _engine_ok(engine)),
         "elapsed_s": time.monotonic() - run.t0,
     }
     if args.profile and engine is not None:
@@ -387,7 +388,7 @@ def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) ->
     sys.path.append(str(ROOT))  # after site-packages: see tests/conftest.py
     from baton_serve.workers.checkpoint.default_model import cache_root, default_model_path
 
-    from benchmarks import engine_check
+    from benchmarks import engine_check, tp_check
 
     t0 = time.monotonic()
     work = Path(args.work_dir) if args.work_dir else cache_root() / "models"
@@ -406,8 +407,10 @@ def _engine_stage(device: Any, args: argparse.Namespace, smoke: bool = False) ->
     sizes = [(4, 16, 8), (4, 32, 8)] if smoke else [(256, 256, 128), (64, 512, 128)]
     runs = [engine_check.offline_throughput(folder, device, "bfloat16", *size, **cache)
             for folder, size in zip((smol, big), sizes)]
-    return {"parity": parity, "throughput": runs, "smollm2_weights": "random" if args.smol_shape_from else "real",
-            "elapsed_s": time.monotonic() - t0}
+    # TP=2 on the model whose KV heads divide by 2 (SmolLM2's 3 do not)
+    tp = tp_check.tp_stage(big, device, smoke, **cache)
+    return {"parity": parity, "throughput": runs, "tensor_parallel": tp,
+            "smollm2_weights": "random" if args.smol_shape_from else "real", "elapsed_s": time.monotonic() - t0}
 
 
 def _engine_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -416,7 +419,12 @@ def _engine_only(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     engine = _engine_stage(torch.device("cpu"), args, smoke=True)
     return {"mode": "engine-smoke", "device": "cpu", "torch": torch.__version__, "engine": engine,
-            "all_ok": engine["parity"]["ok"], "elapsed_s": time.monotonic() - t0}
+            "all_ok": _engine_ok(engine), "elapsed_s": time.monotonic() - t0}
+
+
+def _engine_ok(engine: dict[str, Any]) -> bool:
+    tp = engine.get("tensor_parallel") or {}
+    return bool(engine["parity"]["ok"]) and ("skipped" in tp or bool(tp.get("parity", {}).get("ok")))
 
 
 def _write(out: Path, result: dict[str, Any]) -> int:

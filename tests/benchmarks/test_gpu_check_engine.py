@@ -21,3 +21,6 @@ def test_engine_stage_checks_parity_and_times_both_models(tmp_path: Path):
     for r in runs:
         assert r["device"] == "cpu" and r["dtype"] == "bfloat16"
         assert r["output_tokens"] == r["requests"] * r["output_len"] and r["output_tok_per_s"] > 0
+    tp = result["engine"]["tensor_parallel"]  # TP=2 vs TP=1 over gloo: the code NCCL runs on a GPU machine
+    assert tp["parity"]["ok"] and tp["parity"]["agreeing_prefix"] == [6] * 3 and tp["parity"]["backend"] == "gloo"
+    assert tp["throughput"]["tp2"]["output_tokens"] == tp["throughput"]["tp1"]["output_tokens"] > 0
