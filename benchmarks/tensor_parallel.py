@@ -58,6 +58,55 @@ def all_reduce_seconds(rows: int, hidden: int, dtype: torch.dtype, reps: int) ->
     return statistics.median(times)
 
 
+def lm_head_seconds(rows: int, hidden: int, vocab: int, dtype: torch.dtype, reps: int) -> dict[str, float]:
+    """Rank 0's LM head at 1 thread per rank: replicated (rank 0 computes every logit, what the
+    engine does) against vocab-parallel (each rank half the vocabulary, then an all-gather of the
+    fp32 logits over gloo between two ranks)."""
+    from baton_serve.workers.parallel.group import TPGroup, TPRendezvous, listen_store
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(vocab, hidden, generator=g).to(dtype)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+
+    def matmul_seconds(weight: torch.Tensor) -> float:
+        times = []
+        for i in range(reps + 3):
+            t = time.perf_counter()
+            (x @ weight.T).float()
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    full, half = matmul_seconds(w), matmul_seconds(w[: vocab // 2])
+    torch.set_num_threads(threads)
+    sock, store = listen_store("127.0.0.1", 2, 30.0)
+    rdv = TPRendezvous("127.0.0.1", sock.getsockname()[1], 0, 2, "lm-head", "x", "gloo", 30.0)
+    groups: dict[int, TPGroup] = {}
+    gathers: list[float] = []
+
+    def rank(r: int) -> None:
+        groups[r] = TPGroup(rdv, r, store=store if r == 0 else None)
+        part = torch.ones(rows, vocab // 2)
+        for i in range(reps + 3):
+            t = time.perf_counter()
+            groups[r].all_gather(part)
+            if r == 0 and i >= 3:
+                gathers.append(time.perf_counter() - t)
+
+    threads_ = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join()
+    for grp in groups.values():
+        grp.close()
+    sock.close()
+    gather = statistics.median(gathers)
+    return {"replicated": full, "vocab_parallel": half + gather, "half_matmul": half, "all_gather": gather}
+
+
 def decode_plan(seqs: int, context: int, block_size: int = 16) -> object:
     """A decode step's plan: ``seqs`` sequences of ``context`` tokens (what rank 0 sends per step)."""
     from baton_serve.workers.engine.step_plan import StepPlan
@@ -170,12 +219,15 @@ def main() -> None:
     reduce = {str(rows): all_reduce_seconds(rows, SHAPE["hidden_size"], dtype, 200) for rows in (1, 16, 64, 512)}
     plans = {f"{seqs}x{ctx}": plan_delivery_seconds(decode_plan(seqs, ctx), 200)
              for seqs, ctx in ((1, 256), (16, 192), (64, 1024))}
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    lm_head = {str(rows): lm_head_seconds(rows, SHAPE["hidden_size"], vocab, dtype, 50) for rows in (1, 16, 64)}
     per_step_decode = 2 * SHAPE["num_hidden_layers"] * reduce[str(args.requests)] if str(args.requests) in reduce \
         else None
     result = {"cpu": cpu_name(), "shape": SHAPE, "runs": runs,
               "ratio_tp2_over_tp1": runs["tp2"]["output_tok_per_s"] / runs["tp1"]["output_tok_per_s"],
               "all_reduce_seconds_by_rows": reduce, "all_reduces_per_step": 2 * SHAPE["num_hidden_layers"],
               "decode_step_all_reduce_seconds": per_step_decode, "plan_delivery_seconds": plans,
+              "lm_head_seconds_by_rows": lm_head,
               "command": "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     if args.out:

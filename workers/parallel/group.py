@@ -106,6 +106,12 @@ class TPGroup:
         self.all_reduce_seconds += time.perf_counter() - started
         return x
 
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, in rank order (benchmarks price a vocab-parallel LM head with it)."""
+        out = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._wait(self._pg.allgather([out], [x]), "all-gather")
+        return out
+
     def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
         """``x`` from ``root`` to every rank, in place (benchmarks compare it with the plan channel)."""
         opts = dist.BroadcastOptions()
