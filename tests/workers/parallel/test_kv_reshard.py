@@ -181,12 +181,14 @@ def ray_session():
         ray.shutdown()
 
 
-def _worker(model: Path, wid: str, role: str, tp: int):
+def _worker(model: Path, wid: str, role: str, tp: int, device: str = "cpu"):
     from baton_serve.workers.actor.worker import Worker
 
     engine = {"model": str(model), "dtype": "float32", "block_size": 8, "num_kv_blocks": 64,
-              "tensor_parallel_size": tp}
-    return ray.remote(Worker).options(num_cpus=0, max_concurrency=32).remote(
+              "tensor_parallel_size": tp, "device": device}
+    # on CUDA the worker's rank processes (mp) use the GPUs Ray gives the worker: rank r on cuda:r
+    gpus = tp if device == "cuda" else 0
+    return ray.remote(Worker).options(num_cpus=0, num_gpus=gpus, max_concurrency=32).remote(
         wid, role, engine, 1, "auto", 20.0)
 
 
@@ -209,11 +211,17 @@ def _run(prefill, decode, request_id: str, prompt: list[int]) -> list[int]:
     raise AssertionError(f"{request_id} did not finish: {tokens}")
 
 
-@pytest.mark.parametrize("src_tp,dst_tp", [(1, 2), (2, 1), (2, 2)])
+_NCCL = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="NCCL resharding between two TP=2 replicas "
+                           "needs 4 CUDA devices")
+
+
+@pytest.mark.parametrize("src_tp,dst_tp,device", [(1, 2, "cpu"), (2, 1, "cpu"), (2, 2, "cpu"),
+                                                  pytest.param(2, 2, "cuda", marks=_NCCL)])
 def test_prefill_tp_a_to_decode_tp_b_decodes_like_one_engine(model_and_text, ray_session, src_tp: int,
-                                                             dst_tp: int) -> None:
+                                                             dst_tp: int, device: str) -> None:
     model, want = model_and_text
-    prefill, decode = _worker(model, "prefill-0", "prefill", src_tp), _worker(model, "decode-0", "decode", dst_tp)
+    prefill = _worker(model, "prefill-0", "prefill", src_tp, device)
+    decode = _worker(model, "decode-0", "decode", dst_tp, device)
     try:
         ray.get([prefill.info.remote(), decode.info.remote()], timeout=120)
         ray.get([prefill.set_peers.remote({"decode-0": decode}), decode.set_peers.remote({"prefill-0": prefill})])

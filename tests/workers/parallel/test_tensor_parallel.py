@@ -47,6 +47,12 @@ def test_greedy_text_equals_tp1(eight_head_model: Path, tp: int) -> None:
     assert _greedy(eight_head_model, tp, PROMPTS) == want
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 or more CUDA devices")
+def test_greedy_text_equals_tp1_over_nccl(eight_head_model: Path) -> None:
+    want = _greedy(eight_head_model, 1, PROMPTS, device="cuda")
+    assert _greedy(eight_head_model, 2, PROMPTS, device="cuda") == want
+
+
 def test_chunked_prefill_and_prefix_hits_equal_tp1(eight_head_model: Path) -> None:
     # 16-token chunks split every long prompt; the repeated prompts hit the prefix cache
     prompts = PROMPTS + PROMPTS[:2]
