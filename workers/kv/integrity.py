@@ -21,17 +21,21 @@ from baton_serve.workers.errors import KVTransferError
 def block_crcs(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: Sequence[int],
                num_tokens: int, block_size: int, logical: Sequence[int] | None = None) -> list[int]:
     """CRC-32 of each listed physical block; ``logical`` gives each one's logical index (default
-    its position in ``blocks``), which says how many of its slots hold KV of ``num_tokens``."""
+    its position in ``blocks``), which says how many of its slots hold KV of ``num_tokens``.
+
+    A block's sum runs over every layer's K then V at its valid slots, in layer order."""
+    if not blocks or not kv_caches:
+        return [0] * len(blocks)
+    index = list(logical) if logical is not None else list(range(len(blocks)))
+    valid = [max(0, min(block_size, num_tokens - i * block_size)) for i in index]
+    # One gather into [blocks, 2 x layers, slots, ...], so that each block's bytes are contiguous
+    # and take one crc32 call, not one per layer and cache (12k calls for 4k tokens of 24 layers).
+    ids = torch.tensor([int(b) for b in blocks], dtype=torch.int64, device=kv_caches[0][0].device)
+    with torch.inference_mode():
+        parts = torch.stack([cache.index_select(0, ids) for layer in kv_caches for cache in layer], dim=1)
     out = []
-    for j, block in enumerate(blocks):
-        index = logical[j] if logical is not None else j
-        valid = min(block_size, num_tokens - index * block_size)
-        crc = 0
-        if valid > 0:
-            for k, v in kv_caches:
-                for cache in (k, v):
-                    crc = zlib.crc32(_bytes(cache[block, :valid]), crc)
-        out.append(crc)
+    for j, n in enumerate(valid):
+        out.append(zlib.crc32(_bytes(parts[j, :, :n])) if n > 0 else 0)
     return out
 
 

@@ -44,3 +44,23 @@ def test_only_slots_holding_kv_count(num_tokens, layer, kv, slot, head, dim):
     after = block_crcs(caches, blocks, num_tokens, BS)
     holds_kv = block * BS + slot < num_tokens
     assert (after != before) == holds_kv
+
+
+@pytest.mark.parametrize("heads", [None, (1, 2)])
+def test_the_one_gather_sums_what_the_per_layer_loop_summed(heads):
+    # the sum is over every layer's K then V at the valid slots, layer by layer: the wire format
+    # both ends compute, whatever the code that computes it
+    import zlib
+
+    caches = _caches(layers=3)
+    if heads is not None:  # a tensor-parallel route's strided head view
+        caches = [(k[:, :, heads[0]:heads[1]], v[:, :, heads[0]:heads[1]]) for k, v in caches]
+    blocks, num_tokens = [5, 0, 3], 10
+    want = []
+    for i, b in enumerate(blocks):
+        n, crc = min(BS, num_tokens - i * BS), 0
+        for k, v in caches:
+            for c in (k, v):
+                crc = zlib.crc32(c[b, :n].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        want.append(crc)
+    assert block_crcs(caches, blocks, num_tokens, BS) == want
