@@ -7,6 +7,10 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from baton_serve.cluster.config import ClusterConfig
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -98,8 +102,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from baton_serve.cluster.config import load_config
     from baton_serve.cluster.serve import serve
+
+    return serve(serve_config(args))
+
+
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config ``baton serve`` runs: the file (or the defaults) with the flags that were given on top."""
+    from baton_serve.cluster.config import POOL_ROLES, ConfigError, load_config
 
     config = load_config(args.config).with_overrides(**{
         "engine.model": args.model, "engine.dtype": args.dtype, "engine.device": args.device,
@@ -111,12 +121,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "engine.kv_cache_memory_gib": args.kv_cache_memory_gib, "router.policy": args.routing_policy,
         "server.api_key": args.api_key,
         "server.tenants": str(Path(args.tenants).resolve()) if args.tenants else None,
+        **{f"pools.{role}_options.tensor_parallel_size": getattr(args, f"{role}_tp") for role in POOL_ROLES},
     })
     if config.server.tenants and not Path(config.server.tenants).is_absolute():
         # A relative tenants path in a config file is read beside the file, wherever serve runs.
         base = Path(args.config).resolve().parent if args.config else Path.cwd()
         config = config.with_overrides(**{"server.tenants": str(base / config.server.tenants)})
-    return serve(config)
+    for role in POOL_ROLES:  # a flag for a pool that does not start would be ignored without a word
+        if getattr(args, f"{role}_tp") is not None and role not in config.pools.replica_roles():
+            how = "--colocated N replaces the prefill and decode pools" if config.colocated else "see --colocated N"
+            raise ConfigError(f"--{role}-tp: this deployment starts no {role} workers ({how})")
+    return config
 
 
 def _cmd_keys_hash(args: argparse.Namespace) -> int:
@@ -241,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=None, help="decode workers")
     srv.add_argument("--colocated", type=int, default=None,
                      help="N colocated workers (prefill and decode in one) instead of the pools")
+    for role in ("prefill", "decode", "colocated"):
+        srv.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
+                         help=f"tensor-parallel ranks per {role} worker ([pools.{role}] tensor_parallel_size)")
     srv.add_argument("--log-format", choices=["text", "json"], default=None,
                      help="text (default) or json: one object per line with the request id (X-Request-Id)")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

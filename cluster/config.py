@@ -65,13 +65,40 @@ class EngineSection(BaseModel):
         "passive on a cluster without CPU reservations")
 
 
+PoolRole = Literal["prefill", "decode", "colocated"]
+POOL_ROLES: tuple[PoolRole, ...] = ("prefill", "decode", "colocated")
+
+
+class PoolOptions(BaseModel):
+    """One pool's settings beyond its size: the ``[pools.<role>]`` table, names as in ``[engine]``.
+    Unset engine fields take the ``[engine]`` section's values."""
+
+    model_config = ConfigDict(extra="forbid")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks each replica of the pool is split "
+                                      "across (vLLM's name); a replica is one worker")
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, description="threads per rank (engine.threads_per_worker "
+                                "where unset)")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="tensor_parallel_size > 1: how Ray places a replica's ranks "
+        "(its placement group's strategy); STRICT_PACK keeps them on one node")
+
+
 class PoolsSection(BaseModel):
-    """How many workers of each role. ``colocated > 0`` replaces the prefill/decode pools."""
+    """How many workers of each role. ``colocated > 0`` replaces the prefill/decode pools.
+
+    Each role is a count (``prefill = 2``) or a table (``[pools.prefill]`` with ``replicas`` and
+    the ``PoolOptions`` fields); readers always see the count, and ``options_for`` the rest."""
 
     model_config = ConfigDict(extra="forbid")
     prefill: int = Field(1, ge=0)
     decode: int = Field(1, ge=0)
     colocated: int = Field(0, ge=0)
+    # The tables' settings; written by the [pools.<role>] form (see _tables), also accepted as is.
+    prefill_options: PoolOptions = PoolOptions()
+    decode_options: PoolOptions = PoolOptions()
+    colocated_options: PoolOptions = PoolOptions()
     cpus_per_worker: float = Field(0.0, ge=0)
     gpus_per_worker: float | Literal["auto"] = Field(
         "auto", description="GPUs each worker asks Ray for (fractions share one); auto: 1 each where the "
@@ -82,6 +109,28 @@ class PoolsSection(BaseModel):
     decode_resources: dict[str, float] = Field(default_factory=dict)
     colocated_resources: dict[str, float] = Field(default_factory=dict)
     spread: bool = Field(True, description="place a pool's workers on as many nodes as Ray can (SPREAD)")
+    placement_timeout_s: float = Field(60.0, gt=0, description="how long a tensor-parallel replica's "
+                                       "placement group may wait for room before start fails")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tables(cls, data: Any) -> Any:
+        """``[pools.prefill]`` (replicas plus options) becomes ``prefill = replicas`` and
+        ``prefill_options``; a table without ``replicas`` means one replica."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for role in POOL_ROLES:
+            table = data.get(role)
+            if not isinstance(table, dict):
+                continue
+            table = dict(table)
+            data[role] = table.pop("replicas", 1)
+            if f"{role}_options" in data:
+                raise ValueError(f"pools.{role}: give its options in the [pools.{role}] table or in "
+                                 f"{role}_options, not both")
+            data[f"{role}_options"] = table
+        return data
 
     @model_validator(mode="after")
     def _some_workers(self) -> PoolsSection:
@@ -89,7 +138,7 @@ class PoolsSection(BaseModel):
             raise ValueError("pools.gpus_per_worker must be 'auto' or >= 0")
         if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("pools: need prefill >= 1 and decode >= 1, or colocated >= 1")
-        for role in ("prefill", "decode", "colocated"):
+        for role in POOL_ROLES:
             for name, amount in getattr(self, f"{role}_resources").items():
                 if not amount > 0 or name in ("CPU", "GPU", "memory"):
                     raise ValueError(f"pools.{role}_resources: {name} = {amount}: custom resources only, "
@@ -99,6 +148,18 @@ class PoolsSection(BaseModel):
     def resources_for(self, role: str) -> dict[str, float]:
         """The custom Ray resources one worker of ``role`` asks for."""
         return dict(getattr(self, f"{role}_resources"))
+
+    def options_for(self, role: str) -> PoolOptions:
+        """The ``[pools.<role>]`` settings (defaults where the pool is a bare count)."""
+        if role not in POOL_ROLES:
+            raise ValueError(f"unknown pool role {role!r}; known: {', '.join(POOL_ROLES)}")
+        return getattr(self, f"{role}_options")
+
+    def replica_roles(self) -> list[str]:
+        """One role per worker (a replica), in start order: the colocated pool, or prefill then decode."""
+        if self.colocated:
+            return ["colocated"] * self.colocated
+        return ["prefill"] * self.prefill + ["decode"] * self.decode
 
 
 class KVTransferSection(BaseModel):
@@ -356,18 +417,34 @@ class ClusterConfig(BaseModel):
         return self.pools.colocated > 0
 
     def with_overrides(self, **overrides: Any) -> ClusterConfig:
-        """Apply dotted overrides like ``{"pools.prefill": 2}``; None values are ignored."""
+        """Apply dotted overrides like ``{"pools.prefill": 2}`` or
+        ``{"pools.prefill_options.tensor_parallel_size": 2}``; None values are ignored."""
         data = self.model_dump()
         for key, value in overrides.items():
             if value is None:
                 continue
-            section, field = key.split(".", 1)
-            data[section][field] = value
+            *path, field = key.split(".")
+            table = data
+            for part in path:
+                table = table[part]
+            table[field] = value
         try:
             return ClusterConfig.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise ConfigError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+            raise ConfigError(describe_error(exc)) from None
+
+
+def describe_error(exc: ValidationError) -> str:
+    """``field.path: message`` for the first error, the path spelt as in the file: a pool's
+    ``<role>_options`` is its ``[pools.<role>]`` table."""
+    first = exc.errors()[0]
+    parts = [str(x) for x in first["loc"]]
+    msg = first["msg"]
+    if len(parts) > 2 and parts[0] == "pools" and parts[1].removesuffix("_options") in POOL_ROLES:
+        parts[1] = parts[1].removesuffix("_options")
+        if first["type"] == "extra_forbidden":
+            msg = f"unknown key; known: replicas, {', '.join(PoolOptions.model_fields)}"
+    return f"{'.'.join(parts)}: {msg}"
 
 
 def _one_of(value: str, names: list[str], what: str) -> str:
@@ -395,6 +472,4 @@ def load_config(path: str | Path | None) -> ClusterConfig:
     try:
         return ClusterConfig.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise ConfigError(f"{p}: {where}: {first['msg']}") from None
+        raise ConfigError(f"{p}: {describe_error(exc)}") from None
