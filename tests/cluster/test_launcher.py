@@ -21,8 +21,7 @@ def two_cpus(monkeypatch):
 
 def _plan(engine: dict, pools: dict, ray: dict | None = None) -> tuple[str, dict[str, str]]:
     config = ClusterConfig.model_validate({"engine": engine, "pools": pools, "ray": ray or {}})
-    workers = config.pools.colocated or config.pools.prefill + config.pools.decode
-    return launcher.openmp_plan(config, workers)
+    return launcher.openmp_plan(config)
 
 
 def test_one_colocated_worker_on_all_cores_spins():
@@ -92,9 +91,9 @@ def test_auto_threads_fill_the_cores_a_worker_is_given():
 def test_auto_threads_plan_like_explicit_ones():
     """The default (auto) on 2 cores: 1P + 1D share the cores, one colocated worker spins, and a
     cluster without reservations sleeps at waits."""
-    assert launcher.openmp_plan(_config(), 2) == SHARE
-    assert launcher.openmp_plan(_config(pools={"colocated": 1}), 1) == SPIN
-    assert launcher.openmp_plan(_config(ray={"address": "auto"}), 2) == PASSIVE
+    assert launcher.openmp_plan(_config()) == SHARE
+    assert launcher.openmp_plan(_config(pools={"colocated": 1})) == SPIN
+    assert launcher.openmp_plan(_config(ray={"address": "auto"})) == PASSIVE
 
 
 def test_bad_thread_counts_are_config_errors():
