@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-_COLUMNS = ("worker", "role", "state", "incarnation", "restarts", "running", "waiting", "kv used")
+_COLUMNS = ("worker", "role", "tp", "state", "incarnation", "restarts", "running", "waiting", "kv used")
 
 
 def fetch_status(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -34,7 +34,9 @@ def _state(w: dict[str, Any]) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     """A table of the workers and a line about the front, for a terminal."""
-    rows = [_COLUMNS] + [(w["worker_id"], w["role"], _state(w), str(w["incarnation"]), str(w["restarts"]),
+    # one row per worker: a tensor-parallel replica is one worker, its ranks counted under tp
+    rows = [_COLUMNS] + [(w["worker_id"], w["role"], str(w.get("tensor_parallel_size", 1)), _state(w),
+                          str(w["incarnation"]), str(w["restarts"]),
                           str(w["num_running"]), str(w["num_waiting"]), f"{100 * w['kv_cache_usage']:.0f}%")
                          for w in status["workers"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]

@@ -252,6 +252,7 @@ class PoolClient:
             member = self.sync.members.get(wid, {})
             workers.append({
                 "worker_id": wid, "role": w.role, "alive": w.alive, "incarnation": w.incarnation,
+                "tensor_parallel_size": int(w.info.get("tensor_parallel_size", 1)),
                 "restarts": int(member.get("restarts", 0)), "restarting": bool(member.get("restarting", False)),
                 "quarantined": bool(member.get("quarantined", False)), "draining": w.draining,
                 "to_role": member.get("to_role"), "num_running": w.load.num_running,

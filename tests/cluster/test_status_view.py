@@ -82,13 +82,14 @@ def test_baton_status_prints_the_table_and_exits_nonzero_when_not_ready(served, 
     url, view = served
     assert main(["status", "--url", url, "--api-key", ADMIN]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["worker", "role", "state", "incarnation", "restarts", "running", "waiting", "kv", "used"]
-    assert out[2].split() == ["decode-0", "decode", "alive", "0", "0", "3", "0", "25%"]
+    assert out[0].split() == ["worker", "role", "tp", "state", "incarnation", "restarts", "running", "waiting", "kv",
+                             "used"]
+    assert out[2].split() == ["decode-0", "decode", "1", "alive", "0", "0", "3", "0", "25%"]
     assert out[-1].startswith("front-test: ready, 1 open streams, 2 migrations")
     view.workers[1].update(alive=False, restarting=True, restarts=1)
     try:
         assert main(["status", "--url", url, "--api-key", ADMIN]) == 1
-        assert capsys.readouterr().out.splitlines()[2].split()[:5] == ["decode-0", "decode", "restarting", "0", "1"]
+        assert capsys.readouterr().out.splitlines()[2].split()[:6] == ["decode-0", "decode", "1", "restarting", "0", "1"]
     finally:
         view.workers[1].update(alive=True, restarting=False, restarts=0)
     assert main(["status", "--url", url]) == 2  # no key: one clear line on stderr
@@ -99,7 +100,7 @@ def test_format_states():
     rows = [_worker("a", "colocated", quarantined=True, alive=False), _worker("b", "colocated", alive=False)]
     text = format_status({"ready": False, "front_id": "f", "workers": rows, "migrations_total": 0,
                           "open_streams": 0, "controller": None})
-    assert "quarantined" in text.splitlines()[1] and text.splitlines()[2].split()[2] == "dead"
+    assert "quarantined" in text.splitlines()[1] and text.splitlines()[2].split()[3] == "dead"
     assert text.splitlines()[-1] == "f: NOT READY, 0 open streams, 0 migrations, no controller"
 
 
@@ -113,7 +114,7 @@ def test_a_draining_worker_and_the_controllers_flips_are_shown():
                               "enabled": True, "dry_run": True,
                               "last": {"reason": "within_band", "pressures": {"prefill": 0.5, "decode": 0.25}}}}})
     lines = text.splitlines()
-    assert "draining -> decode" in lines[1] and lines[2].split()[2] == "alive"
+    assert "draining -> decode" in lines[1] and lines[2].split()[3] == "alive"
     assert lines[-3] == "rebalancer (dry run): last decision within_band, pressure prefill 0.50, decode 0.25"
     assert lines[-2:] == ["flip: decode-1 decode -> prefill, drained in 2.5 s",
                           "flip: prefill-2 prefill -> decode, given up (died)"]
