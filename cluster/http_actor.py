@@ -214,8 +214,11 @@ def drain_fronts(fronts: list[Any], timeout_s: float) -> int:
 
 
 def stop_fronts(fronts: list[Any], timeout_s: float = 30.0) -> None:
+    """Stop and kill the fronts; none (start failed before them) touches no Ray."""
     import ray
 
+    if not fronts:  # ray.get([]) would start a Ray instance where the deployment failed before it
+        return
     try:
         ray.get([f.stop.remote() for f in fronts], timeout=timeout_s)
     except Exception as exc:  # a front that died or hangs is killed below anyway
