@@ -4,6 +4,9 @@ start-time refusals (a size the model cannot split into, a group the cluster can
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -110,3 +113,13 @@ def test_a_size_the_model_cannot_split_into_fails_before_ray_starts(tiny_model_d
     monkeypatch.setattr(launcher, "init_ray", no_ray)
     with pytest.raises(ConfigError, match=r"pools\.colocated\.tensor_parallel_size = 3 .*sizes that work: 1, 2, 4"):
         Cluster(_config(tiny_model_dir, {"tensor_parallel_size": 3})).start()
+
+
+def test_baton_serve_refuses_a_bad_size_in_one_line_without_starting_ray(tiny_model_dir):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    proc = subprocess.run([sys.executable, "-m", "baton_serve.cluster.cli", "serve", "--model", str(tiny_model_dir),
+                           "--colocated", "1", "--colocated-tp", "3"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "baton: error: pools.colocated.tensor_parallel_size = 3 does not fit" in proc.stderr
+    assert "Ray instance" not in proc.stderr + proc.stdout
