@@ -44,6 +44,20 @@ def real_tok(default_model_dir: Path):
     return Tokenizer.from_folder(default_model_dir)
 
 
+@pytest.fixture(scope="module")
+def tp_ray_session():
+    """A one-node Ray session with room for tensor-parallel replicas' placement groups (one CPU
+    bundle per rank: 8 logical CPUs on however many cores)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=256 << 20, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 # A module that starts Ray (or a `baton serve` that does) is marked `ray`, and a test of the real
 # default model `slow`, so that `make test-quick` (`-m "not ray and not slow"`) stays a quick,
 # Ray-free inner loop without every such test saying so.
@@ -58,7 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if path not in starts_ray:
             starts_ray[path] = bool(_STARTS_RAY.search(path.read_text(encoding="utf-8")))
         fixtures = getattr(item, "fixturenames", ())
-        if starts_ray[path] or "ray_session" in fixtures:
+        if starts_ray[path] or "ray_session" in fixtures or "tp_ray_session" in fixtures:
             item.add_marker(pytest.mark.ray)
         if "default_model_dir" in fixtures:
             item.add_marker(pytest.mark.slow)

@@ -94,7 +94,9 @@ def start_tensor_parallel(config: EngineConfig, folder: Path, device: torch.devi
     ray_backend = config.distributed_executor_backend == "ray"
     if host is None:
         host = node_address() if ray_backend else "127.0.0.1"
-    options = {"num_cpus": float(config.num_threads or 1)} if ray_backend else {}
+    # a Ray rank asks for what its placement-group bundle holds: its threads' CPUs, and its own GPU
+    options = ({"num_cpus": float(config.num_threads or 1), "num_gpus": 1.0 if device.type == "cuda" else 0.0}
+               if ray_backend else {})
     return TPExecutor(tp, base, backend=config.distributed_executor_backend, host=host, **options)
 
 

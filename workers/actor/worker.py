@@ -102,7 +102,9 @@ class Worker:
         self._out_cv = threading.Condition()
         # Built on the loop thread: every parallel region of the model runs on that one thread.
         # Workers whose threads outnumber this machine's cores take turns at them (workers.actor.core_share).
-        share = CoreShare(threads=threads, release_team=openmp.release_team, **core_share) if core_share else None
+        # A tensor-parallel replica's ranks step while rank 0 does: its turn claims all their cores.
+        share = (CoreShare(threads=threads * self.tp_size, release_team=openmp.release_team, **core_share)
+                 if core_share else None)
         self.engine = AsyncEngine(build, on_step=self._on_step, core_share=share)
         self.core = core = self.engine.engine
         self.transfer = KVTransferEngine(core.runner.kv_caches, core.config.block_size, core.runner.device)

@@ -90,7 +90,7 @@ class RayRanks:
             else:
                 strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             actor = actor_cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, scheduling_strategy=strategy,
-                                      max_restarts=0).remote()
+                                      max_restarts=0, max_concurrency=2).remote()  # pid() answers while serve runs
             self.actors.append(actor)
             self._runs.append(actor.serve.remote(spec))
 
