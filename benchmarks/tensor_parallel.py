@@ -29,21 +29,22 @@ SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
          "num_key_value_heads": 4}
 
 
-def all_reduce_seconds(rows: int, hidden: int, dtype: torch.dtype, reps: int) -> float:
-    """Median seconds of one all-reduce of ``[rows, hidden]`` between two ranks (threads here)."""
+def collective_seconds(op: str, x: torch.Tensor, reps: int) -> float:
+    """Median seconds of one ``TPGroup`` collective (``all_reduce``, ``all_gather``) of ``x``
+    between two ranks (threads here), after 3 warm-up calls."""
     from baton_serve.workers.parallel.group import TPGroup, TPRendezvous, listen_store
 
     sock, store = listen_store("127.0.0.1", 2, 30.0)
-    rdv = TPRendezvous("127.0.0.1", sock.getsockname()[1], 0, 2, "bench", "x", "gloo", 30.0)
+    rdv = TPRendezvous("127.0.0.1", sock.getsockname()[1], 0, 2, f"bench-{op}", "x", "gloo", 30.0)
     groups: dict[int, TPGroup] = {}
     times: list[float] = []
 
     def rank(r: int) -> None:
         groups[r] = TPGroup(rdv, r, store=store if r == 0 else None)
-        x = torch.ones(rows, hidden, dtype=dtype)
+        mine = x.clone()
         for i in range(reps + 3):
             t = time.perf_counter()
-            groups[r].all_reduce(x)
+            getattr(groups[r], op)(mine)
             if r == 0 and i >= 3:
                 times.append(time.perf_counter() - t)
 
@@ -58,12 +59,15 @@ def all_reduce_seconds(rows: int, hidden: int, dtype: torch.dtype, reps: int) ->
     return statistics.median(times)
 
 
+def all_reduce_seconds(rows: int, hidden: int, dtype: torch.dtype, reps: int) -> float:
+    """Median seconds of one all-reduce of ``[rows, hidden]`` between two ranks."""
+    return collective_seconds("all_reduce", torch.ones(rows, hidden, dtype=dtype), reps)
+
+
 def lm_head_seconds(rows: int, hidden: int, vocab: int, dtype: torch.dtype, reps: int) -> dict[str, float]:
     """Rank 0's LM head at 1 thread per rank: replicated (rank 0 computes every logit, what the
     engine does) against vocab-parallel (each rank half the vocabulary, then an all-gather of the
     fp32 logits over gloo between two ranks)."""
-    from baton_serve.workers.parallel.group import TPGroup, TPRendezvous, listen_store
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -81,29 +85,7 @@ def lm_head_seconds(rows: int, hidden: int, vocab: int, dtype: torch.dtype, reps
 
     full, half = matmul_seconds(w), matmul_seconds(w[: vocab // 2])
     torch.set_num_threads(threads)
-    sock, store = listen_store("127.0.0.1", 2, 30.0)
-    rdv = TPRendezvous("127.0.0.1", sock.getsockname()[1], 0, 2, "lm-head", "x", "gloo", 30.0)
-    groups: dict[int, TPGroup] = {}
-    gathers: list[float] = []
-
-    def rank(r: int) -> None:
-        groups[r] = TPGroup(rdv, r, store=store if r == 0 else None)
-        part = torch.ones(rows, vocab // 2)
-        for i in range(reps + 3):
-            t = time.perf_counter()
-            groups[r].all_gather(part)
-            if r == 0 and i >= 3:
-                gathers.append(time.perf_counter() - t)
-
-    threads_ = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads_:
-        t.start()
-    for t in threads_:
-        t.join()
-    for grp in groups.values():
-        grp.close()
-    sock.close()
-    gather = statistics.median(gathers)
+    gather = collective_seconds("all_gather", torch.ones(rows, vocab // 2), reps)
     return {"replicated": full, "vocab_parallel": half + gather, "half_matmul": half, "all_gather": gather}
 
 
