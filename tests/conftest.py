@@ -44,18 +44,23 @@ def real_tok(default_model_dir: Path):
     return Tokenizer.from_folder(default_model_dir)
 
 
-@pytest.fixture(scope="module")
-def tp_ray_session():
-    """A one-node Ray session with room for tensor-parallel replicas' placement groups (one CPU
-    bundle per rank: 8 logical CPUs on however many cores)."""
+def local_ray(num_cpus: int):
+    """A one-node Ray session on loopback with ``num_cpus`` logical CPUs, shut down after."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=256 << 20, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp_ray_session():
+    """Room for tensor-parallel replicas' placement groups (one CPU bundle per rank: 8 logical CPUs
+    on however many cores)."""
+    yield from local_ray(8)
 
 
 # A module that starts Ray (or a `baton serve` that does) is marked `ray`, and a test of the real
