@@ -13,6 +13,8 @@ multiply itself. Packing at load time skips it:
   results/quant_gemm_avx2.json). Not measured on aarch64, which keeps ``F.linear`` in fp32.
 A packed layer drops its plain weight (``FullPrecision.pack``), except the output projection, whose
 rows the logit upcast reads, and a tied embedding. ``BATON_PACKED_LINEAR=0`` turns packing off.
+Which layout (packed with which batch hint, or plain) each weight shape gets on this CPU is measured
+at start by ``kernels.kernel_choice``; the hints below are the defaults where it is not.
 """
 
 from __future__ import annotations
@@ -43,17 +45,26 @@ def _packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and platform.machine() in ("x86_64", "AMD64")
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def default_hint(dtype: torch.dtype) -> int | None:
+    """The batch hint a ``dtype`` weight is packed with when no measurement says otherwise (None: not packed)."""
+    return _BATCH_HINT[dtype] if _packs(dtype) else None
+
+
+def pack(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Tensor | None:
     """A packed copy of a ``[out, in]`` CPU weight, or None where packing does not apply.
 
-    Other dtypes (fp16), devices, fp32 off x86-64 and torch builds without oneDNN keep ``F.linear``.
+    ``batch_hint``: the row count oneDNN lays the weight out for (default: ``default_hint``; a hint
+    packs fp32 off x86-64 too, where a measurement found that faster). Other dtypes (fp16),
+    devices and torch builds without oneDNN keep ``F.linear``.
     """
-    if not enabled() or weight.device.type != "cpu" or weight.dim() != 2 or not _packs(weight.dtype):
+    if not enabled() or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if not torch.backends.mkldnn.is_available():
+    if batch_hint is None:
+        batch_hint = default_hint(weight.dtype)
+    if batch_hint is None or weight.dtype not in _BATCH_HINT or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT[weight.dtype])
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
     except (RuntimeError, AttributeError):  # an older torch, or a CPU oneDNN refuses for this dtype
         return None
 

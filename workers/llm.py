@@ -15,6 +15,7 @@ import torch
 from baton_serve.kernels import capabilities, cpu_ops, deterministic
 from baton_serve.kernels.auto_dtype import resolve_dtype
 from baton_serve.kernels.device import resolve_device
+from baton_serve.kernels.kernel_choice import Workload
 from baton_serve.workers.blocks.prefix_hash import CacheNamespace
 from baton_serve.workers.checkpoint.default_model import resolve_model
 from baton_serve.workers.engine.config import EngineConfig, engine_config
@@ -89,8 +90,9 @@ def start_tensor_parallel(config: EngineConfig, folder: Path, device: torch.devi
         check_tensor_parallel_size(ModelConfig.from_folder(folder), tp)
     except TensorParallelSizeError as exc:
         raise ModelLoadError(f"{folder.name}: {exc}") from None
+    workload = Workload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     base = RankSpec({}, 0, str(folder), config.dtype, str(device), config.max_model_len, config.deterministic,
-                    config.num_threads)
+                    config.num_threads, workload.decode_rows, workload.prefill_rows)
     ray_backend = config.distributed_executor_backend == "ray"
     if host is None:
         host = node_address() if ray_backend else "127.0.0.1"
@@ -104,7 +106,8 @@ def _build_core(config: EngineConfig, folder: Path, tokenizer: Tokenizer, dtype:
                 tensor_parallel: TPExecutor | None) -> EngineCore:
     ctx = None if tensor_parallel is None else ParallelContext(config.tensor_parallel_size, 0, tensor_parallel.group)
     model = load_model(folder, dtype=dtype, ctx=ctx, max_positions=config.max_model_len, device=where.device,
-                       deterministic=config.deterministic)
+                       deterministic=config.deterministic,
+                       workload=Workload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens))
     eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -55,6 +56,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # set by the model's kernel plan (kernels.kernel_choice); None: the backend's dispatch
+        self.prefill_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -67,7 +70,7 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
-        out[d:] = backend.paged_prefill_attention(
+        out[d:] = (self.prefill_kernel or backend.paged_prefill_attention)(
             q[d:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
             meta.prefill_query_start_loc, self.scale, self.sliding_window)
         return out

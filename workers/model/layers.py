@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from baton_serve.kernels import backend
+from baton_serve.kernels.kernel_choice import KernelPlan
 from baton_serve.kernels.reference import build_cos_sin_cache
 from baton_serve.workers.model.checkpoint_slice import CheckpointSlice, as_tensor
 from baton_serve.workers.model.quantization import QuantConfig, linear_method
@@ -78,10 +79,12 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, self._load)
 
-    def pack_weights(self, release_plain: bool = True, invariant: bool = False) -> None:
+    def pack_weights(self, release_plain: bool = True, invariant: bool = False,
+                     plan: KernelPlan | None = None) -> None:
         """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``; ``invariant``:
-        ``kernels.invariant_linear``); with ``release_plain`` a packed copy replaces the plain weight."""
-        self.method.pack(self, release_plain, invariant)
+        ``kernels.invariant_linear``; ``plan``: ``kernels.kernel_choice``); with ``release_plain`` a
+        packed copy replaces the plain weight."""
+        self.method.pack(self, release_plain, invariant, plan)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         idx = 0 if shard_id is None else shard_id
@@ -110,10 +113,12 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             _set_loader(self.bias, default_weight_loader)
 
-    def pack_weights(self, release_plain: bool = True, invariant: bool = False) -> None:
+    def pack_weights(self, release_plain: bool = True, invariant: bool = False,
+                     plan: KernelPlan | None = None) -> None:
         """Prepare the loaded weight for the CPU matmul (see ``kernels.packed_linear``; ``invariant``:
-        ``kernels.invariant_linear``); with ``release_plain`` a packed copy replaces the plain weight."""
-        self.method.pack(self, release_plain, invariant)
+        ``kernels.invariant_linear``; ``plan``: ``kernels.kernel_choice``); with ``release_plain`` a
+        packed copy replaces the plain weight."""
+        self.method.pack(self, release_plain, invariant, plan)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         divisor = getattr(param, "input_divisor", 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from baton_serve.kernels import backend, invariant_linear, packed_linear
+from baton_serve.kernels.kernel_choice import KernelPlan, prepare_weight
 from baton_serve.kernels.logits import upcast_with_candidates
 from baton_serve.workers.model.attention import AttentionMetadata, PagedAttention
 from baton_serve.workers.model.config import ModelConfig
@@ -19,6 +20,7 @@ from baton_serve.workers.model.layers import (
     RowParallelLinear,
     default_weight_loader,
 )
+from baton_serve.workers.model.quantization import FullPrecision
 from baton_serve.workers.parallel.sizes import check_tensor_parallel_size, kv_heads_of_rank
 from torch import nn
 
@@ -139,17 +141,42 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, ParallelContext(),
                                                 dtype, head_quant)
         self._lm_head_packed: torch.Tensor | invariant_linear.InvariantWeight | None = None
+        self.kernel_plan: KernelPlan | None = None  # what pack_weights ran (kernels.kernel_choice)
 
-    def pack_weights(self) -> None:
-        """Pack every matmul weight for the CPU (a no-op elsewhere); call once the weights are loaded."""
+    def kernel_shapes(self) -> tuple[dict[tuple[int, int], bool], tuple[int, int, int] | None]:
+        """What ``kernels.kernel_choice`` measures for this model: each full-precision linear weight
+        shape (-> True where only decode-sized batches reach it: the LM head) and the attention
+        geometry ``(hq, hkv, d)`` (None for a windowed model, whose kernel stays the default)."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        shapes: dict[tuple[int, int], bool] = {}
+        for module in self.modules():
+            weight = getattr(module, "weight", None)
+            full = isinstance(getattr(module, "method", None), FullPrecision) or (
+                module is self.embed_tokens and self.lm_head is None)
+            if full and weight is not None:
+                key = (int(weight.shape[0]), int(weight.shape[1]))
+                shapes[key] = shapes.get(key, True) and module is head
+        attn = self.layers[0].self_attn if len(self.layers) else None
+        geometry = None
+        if attn is not None and self.cfg.sliding_window is None:
+            geometry = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return shapes, geometry
+
+    def pack_weights(self, plan: KernelPlan | None = None) -> None:
+        """Pack every matmul weight for the CPU (a no-op elsewhere) in the layouts ``plan`` measured,
+        and give the attention layers its prefill kernel; call once the weights are loaded."""
         invariant = self.deterministic
+        self.kernel_plan = plan
         for module in self.modules():
             if module is not self and hasattr(module, "pack_weights"):
                 # the output projection keeps its plain weight: compute_logits reads rows of it
-                module.pack_weights(release_plain=module is not self.lm_head, invariant=invariant)
+                module.pack_weights(release_plain=module is not self.lm_head, invariant=invariant, plan=plan)
+            if isinstance(module, PagedAttention) and plan is not None:
+                module.prefill_kernel = plan.prefill_attention_impl()
         if self.lm_head is None:
             weight = self.embed_tokens.weight
-            self._lm_head_packed = invariant_linear.pack(weight) if invariant else packed_linear.pack(weight)
+            self._lm_head_packed = prepare_weight(weight, None if plan is None else plan.linear_kernel(weight),
+                                                  invariant)
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self._lm_head_packed, invariant_linear.InvariantWeight):

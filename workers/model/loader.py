@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from baton_serve.kernels import kernel_choice
 from baton_serve.workers.errors import ModelLoadError
 from baton_serve.workers.model.checkpoint_slice import CheckpointSlice
 from baton_serve.workers.model.config import ModelConfig
@@ -35,9 +36,11 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                ctx: ParallelContext | None = None, max_positions: int | None = None,
-               device: torch.device | str = "cpu", deterministic: bool = False) -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", deterministic: bool = False,
+               workload: kernel_choice.Workload | None = None) -> LlamaForCausalLM:
     """Build the model from ``config.json``, copy every weight in (all parameters must be filled)
-    and move it to ``device``; ``deterministic``: batch-invariant numerics (``LlamaForCausalLM``)."""
+    and move it to ``device``; ``deterministic``: batch-invariant numerics (``LlamaForCausalLM``);
+    ``workload``: the row counts the CPU kernel choice is measured at (``kernels.kernel_choice``)."""
     folder = Path(folder)
     device = torch.device(device)
     cfg = ModelConfig.from_folder(folder)
@@ -77,7 +80,13 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     # CPU matmul and a no-op on other devices, so it follows the move.
     if device.type != "cpu":
         model.to(device)
-    model.pack_weights()
+    plan = None
+    if device.type == "cpu" and not deterministic:  # the deterministic mode's kernels are fixed by its contract
+        try:
+            plan = kernel_choice.plan_for(*model.kernel_shapes(), dtype, workload)
+        except kernel_choice.KernelChoiceError as exc:
+            raise ModelLoadError(str(exc)) from None
+    model.pack_weights(plan)
     return model.eval()
 
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 from baton_serve.kernels import invariant_linear, packed_linear, quant_linear
+from baton_serve.kernels.kernel_choice import KernelPlan, prepare_weight
 from baton_serve.workers.errors import ModelLoadError
 from torch import nn
 
@@ -74,9 +75,11 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
                        loader: Loader) -> None: ...
 
-    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False,
+             plan: KernelPlan | None = None) -> None:
         """Prepare the loaded weight for the matmul; ``release_plain`` lets a packed copy replace it;
-        ``invariant``: for the deterministic mode's batch-invariant kernel (``kernels.invariant_linear``)."""
+        ``invariant``: for the deterministic mode's batch-invariant kernel (``kernels.invariant_linear``);
+        ``plan``: the layouts measured on this CPU (``kernels.kernel_choice``)."""
         ...
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
@@ -105,8 +108,10 @@ class FullPrecision:
         _param(layer, "weight", (out_features, in_features), dtype, loader, 1)
         layer.packed = None
 
-    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
-        layer.packed = invariant_linear.pack(layer.weight) if invariant else packed_linear.pack(layer.weight)
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False,
+             plan: KernelPlan | None = None) -> None:
+        layer.packed = prepare_weight(layer.weight, None if plan is None else plan.linear_kernel(layer.weight),
+                                      invariant)
         if layer.packed is not None and release_plain:
             # the packed copy is the weight from now on: keeping both doubled a model's matmul
             # weights in memory (+538 MB per fp32 SmolLM2-135M worker)
@@ -144,7 +149,8 @@ class Int8:
                                  f"group size {g}")
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
 
-    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False,
+             plan: KernelPlan | None = None) -> None:
         layer.invariant = invariant
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -171,7 +177,8 @@ class Int4:
         _param(layer, "scales", (out_features, in_features // g), torch.float32, loader, g)
         _param(layer, "mins", (out_features, in_features // g), torch.float32, loader, g)
 
-    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False) -> None:
+    def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False,
+             plan: KernelPlan | None = None) -> None:
         layer.invariant = invariant
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 import torch
+from baton_serve.kernels.kernel_choice import Workload
 from baton_serve.workers.engine.model_runner import ModelRunner
 from baton_serve.workers.engine.step_plan import StepPlan
 from baton_serve.workers.errors import TensorParallelError
@@ -38,6 +39,8 @@ class RankSpec:
     max_positions: int | None = None
     deterministic: bool = False
     num_threads: int | None = None
+    decode_rows: int = 32  # the rows its CPU kernel choice is measured at (kernels.kernel_choice)
+    prefill_rows: int = 2048
 
 
 def runner_setup(num_blocks: int, block_size: int, num_host_blocks: int) -> bytes:
@@ -57,7 +60,8 @@ def serve_rank(spec: RankSpec) -> int:
         ctx = ParallelContext(rdv.world_size, spec.rank, group)
         model = load_model(spec.model_folder, dtype=parse_dtype(spec.dtype), ctx=ctx,
                            max_positions=spec.max_positions, device=spec.device,
-                           deterministic=spec.deterministic)
+                           deterministic=spec.deterministic,
+                           workload=Workload(spec.decode_rows, spec.prefill_rows))
         setup = receiver.recv()
         if setup is None:
             return 0
