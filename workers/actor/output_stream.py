@@ -23,6 +23,8 @@ import struct
 import threading
 from collections.abc import Callable
 
+from baton_serve.workers.thread_name import name_this_thread
+
 log = logging.getLogger("baton.output")
 
 FRAME = struct.Struct("<I")
@@ -150,6 +152,7 @@ class _Writer:
             self._waiting.discard(conn)
 
     def _run(self) -> None:
+        name_this_thread("baton-output")
         poller = select.poll()  # not select(): a Ray worker's descriptors can pass 1024
         while True:
             with self._cv:

@@ -19,6 +19,7 @@ from baton_serve.workers.engine.core import EngineCore
 from baton_serve.workers.engine.outputs import TokenDelta
 from baton_serve.workers.engine.stats import EngineStats, engine_stats  # noqa: F401 (EngineStats: re-exported)
 from baton_serve.workers.sampling.params import SamplingParams
+from baton_serve.workers.thread_name import name_this_thread
 
 
 @dataclass
@@ -184,6 +185,7 @@ class AsyncEngine:
             raise RuntimeError(f"engine loop died: {self._error!r}") from self._error
 
     def _run(self, factory: Callable[[], EngineCore] | None, built: threading.Event) -> None:
+        name_this_thread("baton-engine")  # before the first torch op: its OpenMP team inherits the name
         try:
             if factory is not None:
                 self.engine = factory()
