@@ -198,6 +198,21 @@ def markdown(results: list[SystemResult], ratios: list[Ratio], rate: float) -> s
     return "\n".join(lines)
 
 
+def cpu_markdown(results: list[SystemResult]) -> str:
+    """CPU seconds per 1k output tokens at saturation, by bucket (``benchmarks.cpu_breakdown``)."""
+    from benchmarks.cpu_breakdown import BUCKETS
+
+    rows = [r for r in results if r.saturation is not None and "cpu_s_per_1k.total" in r.saturation.summary]
+    if not rows:
+        return ""
+    lines = ["| saturation: CPU s per 1k output tokens | " + " | ".join(BUCKETS) + " | total |",
+             "| --- |" + " ---: |" * (len(BUCKETS) + 1)]
+    for r in rows:
+        cells = [_fmt(r.saturation.summary.get(f"cpu_s_per_1k.{b}"), 3) for b in (*BUCKETS, "total")]
+        lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def peer_dtype(args: argparse.Namespace) -> str:
     """The peers' dtype: ``auto`` is what Baton's own ``auto`` picks on this CPU."""
     if args.peer_dtype != "auto":
@@ -413,11 +428,28 @@ def run_system(args: argparse.Namespace, model: str, name: str, log_dir: Path) -
         cfgs = bench_configs(args, f"http://127.0.0.1:{port}", model, spec.token_ids)
         for key, cfg in cfgs.items():
             print(f"side_by_side: {name}: {key} workload", file=sys.stderr, flush=True)
-            setattr(res, key, run_workload(cfg, args.workload_timeout))
+            setattr(res, key, _with_cpu_breakdown(server.proc.pid, lambda cfg=cfg: run_workload(cfg, args.workload_timeout)))
     res.stray_processes = server.strays
     print(f"side_by_side: {name}: stopped" + (f" ({server.strays} stray processes killed)" if server.strays else ""),
           file=sys.stderr, flush=True)
     return res
+
+
+def _with_cpu_breakdown(server_pid: int, run: Any) -> WorkloadResult:
+    """``run()``'s result with CPU seconds per 1k output tokens by where they went
+    (``benchmarks.cpu_breakdown``) added to its summary as ``cpu_s_per_1k.<bucket>``."""
+    from benchmarks import cpu_breakdown
+
+    pids = [server_pid, *descendants(server_pid)]
+    before, client = cpu_breakdown.sample(pids), cpu_breakdown.client_cpu_s()
+    result = run()
+    after = cpu_breakdown.sample([server_pid, *descendants(server_pid)])
+    tokens = int(result.summary.get("total_output_tokens") or 0)
+    if tokens:
+        for bucket, value in cpu_breakdown.per_1k_tokens(before, after, cpu_breakdown.client_cpu_s() - client,
+                                                         tokens).items():
+            result.summary[f"cpu_s_per_1k.{bucket}"] = value
+    return result
 
 
 def machine_info(args: argparse.Namespace) -> dict[str, Any]:
@@ -502,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     results = [merge_rounds(runs[name]) for name in names]
     ratios = compute_ratios(results)
     md = markdown(results, ratios, args.rate)
+    if cpu_table := cpu_markdown(results):
+        md += "\n\n" + cpu_table
     data = {"date": started, "command": shlex.join([sys.executable, *sys.argv]), "model": model,
             "machine": machine_info(args), "settings": {k: v for k, v in vars(args).items()},
             "systems": [asdict(r) for r in results], "ratios": [asdict(q) for q in ratios],
