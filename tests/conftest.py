@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The fixed kernel defaults, not what this machine measures (kernels.kernel_choice): a test's numbers
+# must not depend on which layout won on the CPU that runs it. tests/kernels/test_kernel_choice.py
+# runs the measurement itself.
+os.environ.setdefault("BATON_KERNEL_TUNING", "0")
 torch.set_num_threads(1)
 
 

@@ -192,6 +192,19 @@ def test_a_model_packs_as_its_plan_says(tmp_path, monkeypatch, tie) -> None:
     assert geometry == (4, 2, 16)
 
 
+def test_an_engine_starts_on_a_measured_plan_and_generates(tmp_path) -> None:
+    from baton_serve.workers import LLM, SamplingParams
+
+    from tests.tiny_model import write_tiny_llama
+
+    llm = LLM(model=str(write_tiny_llama(tmp_path / "model")), dtype="float32", num_kv_blocks=16)
+    plan = llm.engine.runner.model.kernel_plan
+    assert plan is not None and {c.reason for c in plan.choices()} <= {"measured", "cached"}
+    assert len(plan.linear) == 5 and plan.prefill_attention is not None
+    out = llm.generate(["Hello world"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
 def test_a_windowed_model_keeps_the_default_attention(tmp_path) -> None:
     model = _load(tmp_path, extra_config={"sliding_window": 8, "model_type": "mistral"})
     assert model.kernel_shapes()[1] is None
