@@ -25,7 +25,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             from baton_serve.workers.checkpoint.quantize import quantize_folder
 
             src = resolve_model(args.gguf, progress=True)
-            path = quantize_folder(src, args.out, args.quantize, args.group_size, args.lm_head)
+            path = quantize_folder(src, args.out, args.quantize, args.group_size, args.lm_head, args.activations)
         elif args.gguf is None:
             path = default_model_path(progress=True)
         elif args.out is not None:
@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "int8 also takes 0: one scale per output channel")
     conv.add_argument("--lm-head", default="int8", choices=["int8", "full"],
                       help="--quantize: the output projection's precision")
+    conv.add_argument("--activations", default="float", choices=["float", "int8"],
+                      help="--quantize int8 --group-size 0: int8 also quantises each row of activations on "
+                      "the fly and multiplies in int8 (W8A8: VNNI / AMX-INT8 where the CPU has them)")
     conv.set_defaults(func=_cmd_convert)
 
     gen = sub.add_parser("generate", help="offline completion(s) from the engine")

@@ -33,8 +33,9 @@ _COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", 
            "chat_template.jinja")
 
 
-def quantized_folder_name(folder: Path, method: str, group_size: int) -> str:
-    return f"{folder.name}-{method}" + (f"-g{group_size}" if group_size else "")
+def quantized_folder_name(folder: Path, method: str, group_size: int, activations: str = "float") -> str:
+    return (f"{folder.name}-{method}" + (f"-g{group_size}" if group_size else "")
+            + ("-a8" if activations == "int8" else ""))
 
 
 def _quantize_tensor(name: str, weight: torch.Tensor, quant: QuantConfig, method: str) -> dict[str, torch.Tensor]:
@@ -74,9 +75,10 @@ def quantize_weights(folder: Path, quant: QuantConfig) -> dict[str, torch.Tensor
 
 
 def quantize_folder(folder: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None,
-                    method: str = "int8", group_size: int = 32, lm_head: str = "int8") -> Path:
+                    method: str = "int8", group_size: int = 32, lm_head: str = "int8",
+                    activations: str = "float") -> Path:
     """Write the quantised copy of ``folder`` to ``out_dir`` (default: beside it, named after the
-    method) and return it. The folder appears by an atomic rename, complete or not at all; an
+    method) and return it; ``activations = "int8"``: W8A8 (int8 per channel only). The folder appears by an atomic rename, complete or not at all; an
     existing complete one is reused."""
     src = Path(folder)
     if method not in ("int8", "int4"):
@@ -84,8 +86,15 @@ def quantize_folder(folder: str | os.PathLike[str], out_dir: str | os.PathLike[s
     allowed = GROUP_SIZES if method == "int4" else (0, *GROUP_SIZES)
     if group_size not in allowed:
         raise ValueError(f"--group-size must be one of {allowed} for {method}, got {group_size}")
-    quant = QuantConfig(method, group_size, lm_head)
-    target = Path(out_dir) if out_dir is not None else src.parent / quantized_folder_name(src, method, group_size)
+    if activations == "int8" and (method != "int8" or group_size != 0):
+        raise ValueError(f"--activations int8 needs --quantize int8 --group-size 0 (one scale per output "
+                         f"channel), got --quantize {method} --group-size {group_size}")
+    try:
+        quant = QuantConfig(method, group_size, lm_head, activations)
+    except ModelLoadError as exc:
+        raise ValueError(str(exc)) from None
+    target = (Path(out_dir) if out_dir is not None
+              else src.parent / quantized_folder_name(src, method, group_size, activations))
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from baton_serve.kernels import invariant_linear, packed_linear, quant_linear
+from baton_serve.kernels import invariant_linear, packed_linear, quant_linear, w8a8_linear
 from baton_serve.kernels.kernel_choice import KernelPlan, prepare_weight
 from baton_serve.workers.errors import ModelLoadError
 from torch import nn
 
 QUANT_METHOD = "baton"  # quantization_config.quant_method of the checkpoints workers.checkpoint.quantize writes
 GROUP_SIZES = (32, 64, 128)
+ACTIVATIONS = ("float", "int8")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class QuantConfig:
     method: str  # "int8" or "int4"
     group_size: int = 0  # input features per scale (int4: per scale and min); int8 may use 0: per channel
     lm_head: str = "full"
+    activations: str = "float"  # "int8": W8A8, rows quantised on the fly (kernels.w8a8_linear)
 
     def __post_init__(self) -> None:
         if self.method not in ("int8", "int4"):
@@ -39,6 +41,12 @@ class QuantConfig:
         if self.group_size not in allowed:
             raise ModelLoadError(f"quantization_config.group_size must be one of {allowed} for {self.method}, "
                                  f"got {self.group_size}")
+        if self.activations not in ACTIVATIONS:
+            raise ModelLoadError(f"quantization_config.activations must be one of {ACTIVATIONS}, "
+                                 f"got {self.activations!r}")
+        if self.activations == "int8" and (self.method != "int8" or self.group_size != 0):
+            raise ModelLoadError("quantization_config.activations = 'int8' needs int8 weights per output channel "
+                                 f"(group_size 0), got {self.method} with group_size {self.group_size}")
         if self.lm_head not in LINEAR_METHODS:
             raise ModelLoadError(f"quantization_config.lm_head must be one of {sorted(LINEAR_METHODS)}, "
                                  f"got {self.lm_head!r}")
@@ -55,15 +63,21 @@ class QuantConfig:
         if bits not in (8, 4):
             raise ModelLoadError(f"quantization_config.bits must be 8 or 4, got {bits!r}")
         return cls(method=f"int{bits}", group_size=int(raw.get("group_size") or 0),
-                   lm_head=str(raw.get("lm_head", "full")))
+                   lm_head=str(raw.get("lm_head", "full")), activations=str(raw.get("activations", "float")))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": QUANT_METHOD, "bits": int(self.method[3:]), "group_size": self.group_size,
-                "lm_head": self.lm_head}
+        out = {"quant_method": QUANT_METHOD, "bits": int(self.method[3:]), "group_size": self.group_size,
+               "lm_head": self.lm_head}
+        if self.activations != "float":
+            out["activations"] = self.activations
+        return out
 
     def for_lm_head(self) -> QuantConfig | None:
         """The config of the output projection (None: full precision)."""
-        return None if self.lm_head == "full" else QuantConfig(self.lm_head, self.group_size)
+        if self.lm_head == "full":
+            return None
+        return QuantConfig(self.lm_head, self.group_size,
+                           activations=self.activations if self.lm_head == "int8" else "float")
 
 
 Loader = Callable[[nn.Parameter, torch.Tensor, Any], None]
@@ -134,8 +148,9 @@ class Int8:
     """``qweight int8 [out, in]`` and ``scales`` fp32: ``[out]`` (one per output channel, group
     size 0) or ``[out, in / group]`` (one per group of input features); w = q * scale."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, activations: str = "float") -> None:
         self.group_size = group_size
+        self.activations = activations
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype,
                        loader: Loader) -> None:
@@ -152,8 +167,13 @@ class Int8:
     def pack(self, layer: nn.Module, release_plain: bool, invariant: bool = False,
              plan: KernelPlan | None = None) -> None:
         layer.invariant = invariant
+        # W8A8 sums int8 products in int32, exactly, so a row's result never depends on its
+        # batch: the deterministic mode keeps it as it is
+        layer.w8a8 = w8a8_linear.pack(layer.qweight) if self.activations == "int8" else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if getattr(layer, "w8a8", None) is not None:
+            return w8a8_linear.linear(x, layer.w8a8, layer.scales, bias)
         return quant_linear.linear_int8(x, layer.qweight, layer.scales, bias, getattr(layer, "invariant", False))
 
     def rows(self, layer: nn.Module, index: torch.Tensor) -> torch.Tensor:
@@ -190,10 +210,10 @@ class Int4:
                                             self.group_size)
 
 
-LINEAR_METHODS: dict[str, Callable[[int], LinearMethod]] = {
-    "full": lambda group_size: FullPrecision(),
-    "int8": Int8,
-    "int4": Int4,
+LINEAR_METHODS: dict[str, Callable[[QuantConfig], LinearMethod]] = {
+    "full": lambda quant: FullPrecision(),
+    "int8": lambda quant: Int8(quant.group_size, quant.activations),
+    "int4": lambda quant: Int4(quant.group_size),
 }
 
 
@@ -201,4 +221,4 @@ def linear_method(quant: QuantConfig | None) -> LinearMethod:
     """The method for a layer of a checkpoint quantised as ``quant`` (None: full precision)."""
     if quant is None:
         return FullPrecision()
-    return LINEAR_METHODS[quant.method](quant.group_size)
+    return LINEAR_METHODS[quant.method](quant)

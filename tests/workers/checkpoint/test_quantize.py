@@ -134,3 +134,35 @@ def test_tensor_parallel_ranks_load_their_slice_of_quantised_weights(method, gro
         idx = torch.arange(64)
         assert torch.equal(col.method.rows(col, torch.arange(32)), full[rank * 32:(rank + 1) * 32])
         assert torch.equal(row.method.rows(row, idx), full[:, rank * 64:(rank + 1) * 64])
+
+
+def test_a_w8a8_model_quantises_activations_and_stays_near_weight_only_int8(tiny_model_dir, tmp_path) -> None:
+    w8a8 = quantize_folder(tiny_model_dir, tmp_path / "a8", "int8", 0, activations="int8")
+    weight_only = quantize_folder(tiny_model_dir, tmp_path / "w8", "int8", 0)
+    assert ModelConfig.from_folder(w8a8).quantization == QuantConfig("int8", 0, "int8", "int8")
+    assert json.loads((w8a8 / "config.json").read_text())["quantization_config"]["activations"] == "int8"
+    assert "activations" not in json.loads((weight_only / "config.json").read_text())["quantization_config"]
+    assert weights_fingerprint(w8a8) != weights_fingerprint(weight_only)  # its own prefix-cache namespace
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
+    got = []
+    for folder in (w8a8, weight_only):
+        llm = LLM(model=str(folder), dtype="float32", block_size=8, num_kv_blocks=64)
+        layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "qweight")]
+        assert layers and all((getattr(m, "w8a8", None) is not None) == (folder == w8a8) for m in layers)
+        got.append(dict(llm.generate([[5, 9, 3, 17, 2, 44, 8]], params)[0].outputs[0].top_logprobs[0]))
+    shared = set(got[0]) & set(got[1])
+    diffs = [abs(got[0][t] - got[1][t]) for t in shared]
+    assert len(shared) >= 3 and max(diffs) < 0.1 and max(diffs) > 0  # rounded activations, not other math
+
+
+def test_w8a8_needs_int8_weights_per_output_channel(tiny_model_dir, tmp_path) -> None:
+    with pytest.raises(ValueError, match="--group-size 0"):
+        quantize_folder(tiny_model_dir, tmp_path / "x", "int8", 32, activations="int8")
+    with pytest.raises(ValueError, match="--quantize int8"):
+        quantize_folder(tiny_model_dir, tmp_path / "y", "int4", 32, activations="int8")
+    with pytest.raises(ModelLoadError, match="per output channel"):
+        QuantConfig("int8", 32, activations="int8")
+    with pytest.raises(ModelLoadError, match="activations must be one of"):
+        QuantConfig("int8", 0, activations="fp8")
+    assert QuantConfig("int8", 0, "int8", "int8").for_lm_head().activations == "int8"
+    assert QuantConfig("int8", 0, "full", "int8").for_lm_head() is None
