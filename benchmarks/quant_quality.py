@@ -107,7 +107,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="activations' dtype for every variant")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="int8-g0,int8-g32,int8-g64,int4-g32,int4-g64",
-                    help="METHOD-gGROUP, comma-separated (g0: int8 per output channel)")
+                    help="METHOD-gGROUP[-a8], comma-separated (g0: int8 per output channel; -a8: int8 "
+                    "activations too, W8A8, int8-g0 only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -119,8 +120,9 @@ def main() -> int:
     base = results["full"]
     print(f"full precision: perplexity {base['perplexity']:.4f} over {base['tokens_scored']} tokens")
     for variant in filter(None, args.variants.split(",")):
-        method, _, group = variant.partition("-g")
-        folder = quantize_folder(source, None, method, int(group or 32))
+        activations = "int8" if variant.endswith("-a8") else "float"  # W8A8
+        method, _, group = variant.removesuffix("-a8").partition("-g")
+        folder = quantize_folder(source, None, method, int(group or 32), activations=activations)
         r = evaluate(str(folder), args.dtype, args.threads)
         r["perplexity_loss"] = r["perplexity"] / base["perplexity"] - 1
         r["greedy_agreement"] = sum(a == b for a, b in zip(r["greedy"], base["greedy"])) / len(PROMPTS)
