@@ -1,7 +1,8 @@
 """What the measured kernel choice picks on this CPU, and what each fixed choice gives end to end.
 
 One process loads the default model once per variant (the measured plan, the old fixed defaults,
-and each linear layout forced), then runs rounds in turn: the saturation workload through the
+each linear layout forced, and int8 checkpoints: weight-only per channel, and W8A8 with int8
+activations, ``baton convert --quantize int8 --group-size 0 [--activations int8]``), then runs rounds in turn: the saturation workload through the
 offline engine (N prompts x P tokens in, O out, greedy, ignore_eos) and one stream's TPOT. The
 plan's table (every candidate's ms per shape) goes into the results file with the figures.
 
@@ -28,20 +29,34 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packa
 from baton_serve.kernels import capabilities, kernel_choice  # noqa: E402
 from baton_serve.workers import LLM, SamplingParams  # noqa: E402
 
-VARIANTS = {  # name -> environment at load
+VARIANTS: dict[str, dict[str, str]] = {  # name -> environment at load ("model": a quantised copy)
     "measured": {},
     "fixed defaults (BATON_KERNEL_TUNING=0)": {"BATON_KERNEL_TUNING": "0"},
     "plain F.linear": {"BATON_LINEAR_KERNEL": "plain"},
     "invariant panels": {"BATON_LINEAR_KERNEL": "invariant"},
     "sdpa prefill attention": {"BATON_PREFILL_ATTENTION": "sdpa"},
+    "int8 per channel": {"model": "int8"},
+    "W8A8": {"model": "int8-a8"},
 }
 
 
-def _load(env: dict[str, str], threads: int) -> LLM:
+def _model(spec: str | None) -> str | None:
+    if spec is None:
+        return None
+    from baton_serve.workers.checkpoint.default_model import resolve_model
+    from baton_serve.workers.checkpoint.quantize import quantize_folder
+
+    activations = "int8" if spec.endswith("-a8") else "float"
+    return str(quantize_folder(resolve_model(None), None, "int8", 0, activations=activations))
+
+
+def _load(variant: dict[str, str], threads: int, dtype: str) -> LLM:
+    env = {k: v for k, v in variant.items() if k != "model"}
+    model = _model(variant.get("model"))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return LLM(num_threads=threads)
+        return LLM(model=model, dtype=dtype, num_threads=threads)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -79,13 +94,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="activations' dtype (auto: what the engine picks here)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    ap.add_argument("--variants", default=",".join(list(VARIANTS)[:5]), help="comma-separated names of VARIANTS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = [n for n in args.variants.split(",") if n]
-    llms = {name: _load(VARIANTS[name], args.threads) for name in names}
+    llms = {name: _load(VARIANTS[name], args.threads, args.dtype) for name in names}
     vocab = llms[names[0]].engine.runner.model.cfg.vocab_size
     sat: dict[str, list[float]] = {n: [] for n in names}
     tpot: dict[str, list[float]] = {n: [] for n in names}
@@ -109,7 +125,8 @@ def main() -> None:
     result = {
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "date": date.today().isoformat(), "cpu": capabilities.cpu().describe(), "machine": platform.machine(),
-        "torch": torch.__version__, "threads": args.threads,
+        "torch": torch.__version__, "threads": args.threads, "dtype": llms[names[0]].config.dtype,
+        "env": {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "BATON_CPU_TARGET") if k in os.environ},
         "workload": f"{args.num_requests} x {args.prompt_len} in / {args.output_len} out, offline engine, greedy",
         "measured_plan": _plan_of(llms[names[0]]) if names[0] == "measured" else [],
         "results": rows,
