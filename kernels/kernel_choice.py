@@ -274,10 +274,21 @@ def _prefill_calls(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
 
 # -- choosing ------------------------------------------------------------------------------------
 
+def runnable(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` can run here at all: Baton's own kernels need the native library (a cache
+    written where it built may be read where it does not), the panel kernel bf16 or fp32."""
+    if kernel == "invariant":
+        return cpu_ops.available() and dtype in (torch.bfloat16, torch.float32)
+    if kernel == "native":
+        return cpu_ops.available()
+    return True
+
+
 def _decide(entries: dict[str, Any], key: str, op: str, shape: str, rows: list[int], default: str,
-            calls: Callable[[], dict[str, list[Callable[[], Any]]]]) -> tuple[Choice, bool]:
+            dtype: torch.dtype, calls: Callable[[], dict[str, list[Callable[[], Any]]]]) -> tuple[Choice, bool]:
     cached = entries.get(key)
-    if isinstance(cached, dict) and cached.get("kernel") in cached.get("ms", {}):
+    if (isinstance(cached, dict) and cached.get("kernel") in cached.get("ms", {})
+            and runnable(cached["kernel"], dtype)):
         return Choice(op, shape, cached["kernel"], "cached", cached["ms"], rows), False
     candidates = calls()
     ms = _measure(candidates) if len(candidates) > 1 else {name: [] for name in candidates}
@@ -297,6 +308,10 @@ def plan_for(linear_shapes: dict[tuple[int, int], bool], attention: tuple[int, i
     forced_attention = _forced("BATON_PREFILL_ATTENTION", PREFILL_ATTENTION_KERNELS)
     if not packed_linear.enabled():
         forced_linear = forced_linear or "plain"
+    for var, kernel in (("BATON_LINEAR_KERNEL", forced_linear), ("BATON_PREFILL_ATTENTION", forced_attention)):
+        if kernel is not None and not runnable(kernel, dtype):
+            raise KernelChoiceError(f"{var}={kernel} cannot run here: it needs Baton's native CPU kernels"
+                                    f"{' and bf16 or fp32' if kernel == 'invariant' else ''} ({cpu_ops.describe()})")
     workload = workload or Workload()
     tune = tuning_enabled()
     measure_linear = tune and forced_linear is None
@@ -345,7 +360,7 @@ def _measured_into(plan: KernelPlan, shapes: dict[tuple[int, int], bool], attent
             rows = workload.linear_rows(decode_only)
             key = f"linear {out_features}x{in_features} {dtype_name} rows {'/'.join(map(str, rows))}"
             choice, new = _decide(entries, key, "linear", f"{out_features}x{in_features} {dtype_name}", rows,
-                                  _default_linear(dtype),
+                                  _default_linear(dtype), dtype,
                                   lambda o=out_features, i=in_features, r=rows: _linear_calls(o, i, dtype, r))
             plan.linear[(out_features, in_features)] = choice
             changed |= new
@@ -354,7 +369,7 @@ def _measured_into(plan: KernelPlan, shapes: dict[tuple[int, int], bool], attent
             tokens = min(workload.prefill_rows, _PROMPT_TOKENS)
             key = f"prefill_attention {_geometry_name(attention, dtype)} tokens {tokens}"
             choice, new = _decide(entries, key, "prefill_attention", _geometry_name(attention, dtype),
-                                  [tokens, 2 * tokens], _default_attention(),
+                                  [tokens, 2 * tokens], _default_attention(), dtype,
                                   lambda: _prefill_calls(hq, hkv, d, dtype, tokens))
             plan.prefill_attention = choice
             changed |= new
@@ -377,4 +392,4 @@ def as_dict(plan: KernelPlan) -> list[dict[str, Any]]:
 
 
 __all__ = ["LINEAR_KERNELS", "PREFILL_ATTENTION_KERNELS", "Choice", "KernelChoiceError", "KernelPlan", "Workload",
-           "as_dict", "pick", "plan_for", "prepare_weight", "tuning_enabled"]
+           "as_dict", "pick", "plan_for", "prepare_weight", "runnable", "tuning_enabled"]

@@ -132,6 +132,23 @@ def test_an_unknown_override_is_a_typed_error(monkeypatch, var) -> None:
         plan_for(SHAPES, GEOMETRY, torch.float32, SMALL)
 
 
+def test_kernels_that_need_the_native_library_are_refused_or_remeasured_without_it(monkeypatch) -> None:
+    plan_for(SHAPES, GEOMETRY, torch.float32, SMALL)  # cached, possibly naming invariant/native
+    monkeypatch.setattr(kernel_choice.cpu_ops, "available", lambda: False)
+    plan = plan_for(SHAPES, GEOMETRY, torch.float32, SMALL)
+    assert all(c.kernel not in ("invariant", "native") for c in plan.choices())
+    assert plan.prefill_attention.kernel == "sdpa"
+    monkeypatch.setenv("BATON_LINEAR_KERNEL", "invariant")
+    with pytest.raises(KernelChoiceError, match="needs Baton's native CPU kernels"):
+        plan_for(SHAPES, GEOMETRY, torch.float32, SMALL)
+
+
+def test_the_panel_kernel_is_refused_in_fp16(monkeypatch) -> None:
+    monkeypatch.setenv("BATON_LINEAR_KERNEL", "invariant")
+    with pytest.raises(KernelChoiceError, match="bf16 or fp32"):
+        plan_for(SHAPES, None, torch.float16, SMALL)
+
+
 def test_the_table_names_every_op_and_candidate() -> None:
     plan = plan_for(SHAPES, GEOMETRY, torch.float32, SMALL)
     table = plan.table().splitlines()
