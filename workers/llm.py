@@ -50,6 +50,11 @@ def weights_fingerprint(folder: Path) -> str:
     return h.hexdigest()[:32]
 
 
+def kernel_workload(config: EngineConfig) -> Workload:
+    """The row counts every rank's CPU kernel choice is measured at, from the scheduler's limits."""
+    return Workload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+
+
 def build_engine(config: EngineConfig) -> tuple[EngineCore, Tokenizer, Path]:
     """Load model and tokenizer on the configured device, size the KV cache, and return a ready
     engine (whose config has ``dtype`` and ``device`` = "auto" resolved for this machine)."""
@@ -90,7 +95,7 @@ def start_tensor_parallel(config: EngineConfig, folder: Path, device: torch.devi
         check_tensor_parallel_size(ModelConfig.from_folder(folder), tp)
     except TensorParallelSizeError as exc:
         raise ModelLoadError(f"{folder.name}: {exc}") from None
-    workload = Workload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+    workload = kernel_workload(config)
     base = RankSpec({}, 0, str(folder), config.dtype, str(device), config.max_model_len, config.deterministic,
                     config.num_threads, workload.decode_rows, workload.prefill_rows)
     ray_backend = config.distributed_executor_backend == "ray"
@@ -107,7 +112,7 @@ def _build_core(config: EngineConfig, folder: Path, tokenizer: Tokenizer, dtype:
     ctx = None if tensor_parallel is None else ParallelContext(config.tensor_parallel_size, 0, tensor_parallel.group)
     model = load_model(folder, dtype=dtype, ctx=ctx, max_positions=config.max_model_len, device=where.device,
                        deterministic=config.deterministic,
-                       workload=Workload.for_engine(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens))
+                       workload=kernel_workload(config))
     eos = list(model.cfg.eos_token_ids) or list(tokenizer.eos_token_ids)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
